@@ -1,0 +1,36 @@
+# Both entry points build their own virtualenv, so a fresh clone needs nothing but python3.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 9999
+METRICS_PORT ?= 9998
+
+.PHONY: run test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# One stamp per install flavour; both depend on pyproject.toml so a new dependency reinstalls.
+$(VENV)/.installed-run: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@ $(VENV)/.installed-run
+
+run: $(VENV)/.installed-run
+	$(BIN)/elockd --host $(HOST) --port $(PORT) --metrics-port $(METRICS_PORT)
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check elockd tests munin contrib
+	$(BIN)/ruff format --check elockd tests munin contrib
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

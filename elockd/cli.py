@@ -1,0 +1,106 @@
+"""Command line: flags -> :class:`~elockd.config.Config` -> run the server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from elockd.config import Config
+from elockd.replies import STYLES
+from elockd.server import run_until_signal
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = Config()
+    parser = argparse.ArgumentParser(
+        prog="elockd",
+        description="Network lock server: exclusive and counted shared locks owned by "
+        "a connection, freed when it goes away.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--host", default=defaults.host, help="address to listen on (127.0.0.1: local only)")
+    add("--port", type=non_negative_int, default=defaults.port, help="TCP port (0: any free)")
+    add("--unix", metavar="PATH", default=None, help="also listen on this Unix socket")
+    add("--metrics-host", default=defaults.metrics_host, help="address of /metrics")
+    add(
+        "--metrics-port",
+        type=non_negative_int,
+        default=defaults.metrics_port,
+        help="HTTP port of /metrics and /healthz (0: off)",
+    )
+    add(
+        "--replies",
+        choices=sorted(STYLES),
+        default=defaults.replies,
+        help="reply texts of the terse family",
+    )
+    add(
+        "--max-connections",
+        type=positive_int,
+        default=defaults.max_connections,
+        help="connections at once; one more is told '0 Too Many Connections'",
+    )
+    add(
+        "--max-line",
+        type=positive_int,
+        default=defaults.max_line,
+        help="longest request line in bytes; longer ones get '0 Line Too Long'",
+    )
+    add("--max-keys", type=positive_int, default=defaults.max_keys, help="keys per mlock")
+    add(
+        "--max-waiters",
+        type=positive_int,
+        default=defaults.max_waiters,
+        help="waiting requests per key",
+    )
+    add(
+        "--grace-ms",
+        type=non_negative_int,
+        default=defaults.grace_ms,
+        help="default time a dropped connection's holds stay for a conn_id takeover",
+    )
+    add(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default=defaults.log_level,
+    )
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> Config:
+    options = vars(build_parser().parse_args(argv))
+    return Config(**options)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = config_from_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        trio.run(run_until_signal, config)
+    except OSError as error:
+        logging.getLogger("elockd").error("cannot start: %s", error)
+        return 1
+    return 0

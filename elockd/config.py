@@ -1,0 +1,21 @@
+"""Every setting of the server in one place, with the defaults the docs promise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 9999
+    unix: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9998
+    replies: str = "elockd"
+    max_connections: int = 10_000
+    max_line: int = 4096
+    max_keys: int = 64
+    max_waiters: int = 10_000
+    grace_ms: int = 0
+    log_level: str = "info"

@@ -1,0 +1,509 @@
+"""The lock engine: every rule about who may hold what, and nothing else.
+
+Pure Python: no trio, no sockets, no clock. Every call that depends on time takes
+``now`` (seconds on any monotonic scale) from the caller, so the server passes
+``trio.current_time()`` and the tests pass whatever they like. Waiting is expressed
+as :class:`Waiter` records; when a waiter is granted the engine calls its ``wake``
+callback, which the server points at a ``trio.Event``.
+
+Tables
+    * ``exclusive``: key -> the one :class:`Hold` (``g``, ``lock``, ``mlock``).
+    * ``shared``: key -> {session: Hold} (``sg``, ``lock_shared``). A key may be held
+      both ways at once; the tables are independent, as in elockd.
+    * per-key FIFO queues of waiters, one set for each table.
+    * one heap of deadlines (lease ends, grace ends). Entries are never removed from
+      the middle; a stale entry (the lease was renewed or freed) is recognised when
+      it reaches the top and dropped, so renewing costs O(log n) and nothing scans.
+
+Invariants (checked by the model test in ``tests/test_engine_model.py``)
+    * at most one exclusive holder per key;
+    * a free exclusive key has no queue: a release hands the key to the head waiter
+      immediately, so a try-once request can never overtake a waiter;
+    * a shared waiter with ``limit=N`` is granted only while fewer than N hold the key;
+    * a waiter is granted at most once, and never after it was cancelled.
+
+Multi-key locks never deadlock: a waiter takes a key only when the key is free and
+no older waiter queues for it (or it is itself the head of that key's queue). The
+queues therefore all agree on one order, the order of arrival, so the oldest waiter
+is never blocked by a younger one: only by plain holders, who release eventually.
+The same order means that single-key requests arriving after a multi-key waiter
+queue behind it: it is not starved.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+
+from elockd.sessions import Hold, Session
+
+WAITING = 0
+GRANTED = 1
+CANCELLED = 2
+
+
+class QueueFull(Exception):
+    """A key's queue already holds ``max_waiters`` requests."""
+
+
+class Waiter:
+    """One request that could not be granted at once and chose to wait.
+
+    ``keys`` has one key for ``lock``/``lock_shared`` and several for ``mlock``.
+    ``taken`` lists the keys an ``mlock`` waiter already holds while it waits for the
+    rest; they are freed again if it gives up. ``count`` is the number of shared
+    holders right after a shared grant (the ``200 N`` reply).
+    """
+
+    __slots__ = (
+        "count",
+        "keys",
+        "limit",
+        "missing",
+        "session",
+        "shared",
+        "since",
+        "state",
+        "taken",
+        "ttl",
+        "wake",
+    )
+
+    def __init__(
+        self,
+        session: Session,
+        keys: tuple[bytes, ...],
+        *,
+        shared: bool,
+        limit: int,
+        ttl: float | None,
+        since: float,
+    ) -> None:
+        self.session = session
+        self.keys = keys
+        self.shared = shared
+        self.limit = limit
+        self.ttl = ttl
+        self.since = since
+        self.state = WAITING
+        self.taken: list[bytes] = []
+        self.missing = len(keys)
+        self.count = 0
+        self.wake: Callable[[], None] | None = None
+
+    @property
+    def granted(self) -> bool:
+        return self.state == GRANTED
+
+
+#: What :meth:`LockEngine.request_many` returns when it cannot grant at once and may
+#: not wait: the keys held by other sessions.
+Blocked = list[bytes]
+
+# Heap entries: (deadline, tie-breaker, the Hold whose lease ends or the Session
+# whose grace ends).
+_Timer = tuple[float, int, "Hold | Session"]
+
+
+class LockEngine:
+    """Exclusive and counted shared locks with FIFO waits, leases and sessions."""
+
+    def __init__(
+        self,
+        *,
+        first_token: int = 1,
+        max_waiters: int = 10_000,
+        on_new_deadline: Callable[[], None] | None = None,
+        on_hold_end: Callable[[bool, float], None] | None = None,
+    ) -> None:
+        """``first_token`` seeds the fencing-token counter (the server passes the wall
+        clock in nanoseconds, so tokens keep increasing across restarts).
+        ``on_new_deadline`` is called when the earliest deadline moves earlier, so a
+        timer task can re-arm; ``on_hold_end(shared, seconds)`` feeds hold-time
+        histograms."""
+        self.sessions: dict[str, Session] = {}
+        self.exclusive: dict[bytes, Hold] = {}
+        self.shared: dict[bytes, dict[Session, Hold]] = {}
+        self._xqueues: dict[bytes, deque[Waiter]] = {}
+        self._squeues: dict[bytes, deque[Waiter]] = {}
+        self._timers: list[_Timer] = []
+        self._tiebreak = itertools.count()
+        self._next_token = first_token
+        self.max_waiters = max_waiters
+        self.on_new_deadline = on_new_deadline
+        self.on_hold_end = on_hold_end
+        # Counters read by `q`, `stats` and /metrics.
+        self.orphans = 0
+        self.shared_orphans = 0
+        self.expired = 0
+        self.timeouts = 0
+        self.waiting = 0
+        self.leases = 0
+
+    # ---------------------------------------------------------------- sessions
+
+    def open_session(self, session_id: str, peer: bytes) -> Session:
+        session = Session(session_id, peer)
+        self.sessions[session_id] = session
+        return session
+
+    def disconnect(self, session: Session, now: float) -> None:
+        """The session's connection is gone: cancel its waits, then free its plain
+        holds now (grace 0) or when its grace time ends. Leases stay."""
+        session.connected = False
+        for waiter in list(session.waiters):
+            self.cancel(waiter, now)
+        if session.grace > 0:
+            session.grace_deadline = now + session.grace
+            self._schedule(session.grace_deadline, session)
+        else:
+            self._end_grace(session, now)
+
+    def take_over(self, session_id: str, current: Session) -> Session | None:
+        """``conn_id ID``: move the connection of ``current`` (which must hold and
+        wait for nothing) onto the disconnected session ``session_id``."""
+        target = self.sessions.get(session_id)
+        if target is None or target.connected or not current.is_empty():
+            return None
+        target.connected = True
+        target.grace_deadline = None  # its heap entry goes stale
+        target.peer = current.peer
+        if current.name is not None:
+            target.name = current.name
+        current.connected = False
+        self.sessions.pop(current.id, None)
+        return target
+
+    def _end_grace(self, session: Session, now: float) -> None:
+        session.grace_deadline = None
+        for hold in [h for h in session.exclusive.values() if h.lease_deadline is None]:
+            self.orphans += 1
+            self._free(hold, now)
+        for hold in [h for h in session.shared.values() if h.lease_deadline is None]:
+            self.shared_orphans += 1
+            self._free(hold, now)
+        self._forget_if_done(session)
+
+    def _forget_if_done(self, session: Session) -> None:
+        if not session.connected and session.grace_deadline is None and session.leases == 0:
+            self.sessions.pop(session.id, None)
+
+    # --------------------------------------------------------------- exclusive
+
+    def acquire(self, session: Session, key: bytes, now: float, ttl: float | None = None) -> bool:
+        """Try once. A holder asking again keeps its one hold (``ttl`` sets its lease)."""
+        hold = self.exclusive.get(key)
+        if hold is None:
+            self._grant_exclusive(session, key, now, ttl)
+            return True
+        if hold.session is session:
+            if ttl is not None:
+                self._set_lease(hold, now + ttl)
+            return True
+        return False
+
+    def wait_for(
+        self, session: Session, key: bytes, now: float, ttl: float | None = None
+    ) -> Waiter | None:
+        """Acquire, or queue first come, first served. None means granted at once."""
+        if self.acquire(session, key, now, ttl):
+            return None
+        self._check_room(self._xqueues, (key,))
+        waiter = Waiter(session, (key,), shared=False, limit=1, ttl=ttl, since=now)
+        self._xqueues.setdefault(key, deque()).append(waiter)
+        self._add_waiter(waiter)
+        return waiter
+
+    def release(self, session: Session, key: bytes, now: float) -> bool:
+        hold = session.exclusive.get(key)
+        if hold is None:
+            return False
+        self._free(hold, now)
+        return True
+
+    def _grant_exclusive(self, session: Session, key: bytes, now: float, ttl: float | None) -> Hold:
+        hold = Hold(session, key, False, self._next_token, now)
+        self._next_token += 1
+        self.exclusive[key] = hold
+        session.exclusive[key] = hold
+        if ttl is not None:
+            self._set_lease(hold, now + ttl)
+        return hold
+
+    # --------------------------------------------------------------- multi-key
+
+    def request_many(
+        self,
+        session: Session,
+        keys: Iterable[bytes],
+        now: float,
+        *,
+        ttl: float | None = None,
+        wait: bool = False,
+    ) -> Waiter | Blocked | None:
+        """All-or-nothing exclusive hold of ``keys``.
+
+        Returns None when granted at once, the keys held by others when it may not
+        wait, else a Waiter that already holds every key it could take fairly.
+        """
+        wanted = tuple(dict.fromkeys(keys))
+        blocked = [k for k in wanted if self._held_by_other(session, k)]
+        if not blocked:
+            for key in wanted:
+                self.acquire(session, key, now, ttl)
+            return None
+        if not wait:
+            return blocked
+        missing = [k for k in wanted if k not in session.exclusive]
+        self._check_room(self._xqueues, missing)
+        waiter = Waiter(session, wanted, shared=False, limit=1, ttl=ttl, since=now)
+        waiter.missing = len(missing)
+        self._add_waiter(waiter)
+        for key in missing:
+            if key in self.exclusive:
+                self._xqueues.setdefault(key, deque()).append(waiter)
+            else:  # free, hence no queue: nobody older wants it
+                self._take_for(waiter, key, now)
+        return waiter
+
+    def _held_by_other(self, session: Session, key: bytes) -> bool:
+        hold = self.exclusive.get(key)
+        return hold is not None and hold.session is not session
+
+    def _take_for(self, waiter: Waiter, key: bytes, now: float) -> None:
+        self._grant_exclusive(waiter.session, key, now, None)
+        waiter.taken.append(key)
+        waiter.missing -= 1
+        if waiter.missing == 0:
+            self._complete(waiter, now)
+
+    # ------------------------------------------------------------------ shared
+
+    def acquire_shared(
+        self,
+        session: Session,
+        key: bytes,
+        now: float,
+        *,
+        limit: int | None = None,
+        ttl: float | None = None,
+    ) -> tuple[bool, int]:
+        """Try once: (granted, holders after the request).
+
+        Without a limit it always succeeds. With one, it succeeds only while fewer
+        than ``limit`` hold the key and nobody queues for it (no overtaking).
+        """
+        holders = self.shared.get(key)
+        if holders is not None:
+            own = holders.get(session)
+            if own is not None:
+                if ttl is not None:
+                    self._set_lease(own, now + ttl)
+                return True, len(holders)
+            count = len(holders)
+        else:
+            count = 0
+        if limit is not None and (count >= limit or key in self._squeues):
+            return False, count
+        return True, self._grant_shared(session, key, now, ttl)
+
+    def _grant_shared(self, session: Session, key: bytes, now: float, ttl: float | None) -> int:
+        hold = Hold(session, key, True, 0, now)
+        holders = self.shared.get(key)
+        if holders is None:
+            self.shared[key] = {session: hold}
+        else:
+            holders[session] = hold
+        session.shared[key] = hold
+        if ttl is not None:
+            self._set_lease(hold, now + ttl)
+        return len(self.shared[key])
+
+    def wait_shared(
+        self, session: Session, key: bytes, now: float, *, limit: int, ttl: float | None = None
+    ) -> Waiter | int:
+        """Acquire with a limit, or queue FIFO. An int is the holder count of a grant."""
+        granted, count = self.acquire_shared(session, key, now, limit=limit, ttl=ttl)
+        if granted:
+            return count
+        self._check_room(self._squeues, (key,))
+        waiter = Waiter(session, (key,), shared=True, limit=limit, ttl=ttl, since=now)
+        self._squeues.setdefault(key, deque()).append(waiter)
+        self._add_waiter(waiter)
+        return waiter
+
+    def release_shared(self, session: Session, key: bytes, now: float) -> int | None:
+        """Free this session's shared hold: holders left (after any hand-over), or
+        None when it held none."""
+        hold = session.shared.get(key)
+        if hold is None:
+            return None
+        self._free(hold, now)
+        return self.shared_count(key)
+
+    def shared_count(self, key: bytes) -> int:
+        holders = self.shared.get(key)
+        return len(holders) if holders else 0
+
+    # ------------------------------------------------------------ both tables
+
+    def release_all(self, session: Session, now: float) -> None:
+        for hold in list(session.exclusive.values()):
+            self._free(hold, now)
+        for hold in list(session.shared.values()):
+            self._free(hold, now)
+
+    def renew(self, session: Session, key: bytes, now: float, ttl: float) -> bool:
+        """Make this session's hold of key (exclusive, else shared) a lease ending
+        ``ttl`` seconds from now."""
+        hold = session.exclusive.get(key) or session.shared.get(key)
+        if hold is None:
+            return False
+        self._set_lease(hold, now + ttl)
+        return True
+
+    def _free(self, hold: Hold, now: float) -> None:
+        """Remove a hold from every table, then hand the key to its next waiter(s)."""
+        session, key = hold.session, hold.key
+        hold.active = False
+        if hold.lease_deadline is not None:
+            self.leases -= 1
+            session.leases -= 1
+        if self.on_hold_end is not None:
+            self.on_hold_end(hold.shared, now - hold.granted_at)
+        if hold.shared:
+            holders = self.shared[key]
+            del holders[session]
+            if not holders:
+                del self.shared[key]
+            del session.shared[key]
+            self._serve_shared(key, now)
+        else:
+            del self.exclusive[key]
+            del session.exclusive[key]
+            self._serve_exclusive(key, now)
+
+    def _serve_exclusive(self, key: bytes, now: float) -> None:
+        queue = self._xqueues.get(key)
+        if queue:
+            waiter = queue.popleft()
+            if not queue:
+                del self._xqueues[key]
+            self._take_for(waiter, key, now)
+
+    def _serve_shared(self, key: bytes, now: float) -> None:
+        """Grant queued shared waiters, oldest first, while the head fits its limit."""
+        queue = self._squeues.get(key)
+        while queue:
+            waiter = queue[0]
+            if self.shared_count(key) >= waiter.limit:
+                return
+            queue.popleft()
+            if not queue:
+                del self._squeues[key]
+            waiter.count = self._grant_shared(waiter.session, key, now, None)
+            waiter.missing = 0
+            self._complete(waiter, now)
+
+    # ----------------------------------------------------------------- waiters
+
+    def _check_room(self, queues: dict[bytes, deque[Waiter]], keys: Iterable[bytes]) -> None:
+        for key in keys:
+            queue = queues.get(key)
+            if queue is not None and len(queue) >= self.max_waiters:
+                raise QueueFull(key)
+
+    def _add_waiter(self, waiter: Waiter) -> None:
+        waiter.session.waiters.add(waiter)
+        self.waiting += 1
+
+    def _complete(self, waiter: Waiter, now: float) -> None:
+        waiter.state = GRANTED
+        waiter.session.waiters.discard(waiter)
+        self.waiting -= 1
+        if waiter.ttl is not None:
+            table = waiter.session.shared if waiter.shared else waiter.session.exclusive
+            for key in waiter.keys:
+                self._set_lease(table[key], now + waiter.ttl)
+        if waiter.wake is not None:
+            waiter.wake()
+
+    def cancel(self, waiter: Waiter, now: float, *, timed_out: bool = False) -> Blocked:
+        """Give up a wait (timeout or disconnect): leave every queue, free what an
+        ``mlock`` took meanwhile. Returns the keys still held by others."""
+        if waiter.state != WAITING:
+            return []
+        waiter.state = CANCELLED
+        waiter.session.waiters.discard(waiter)
+        self.waiting -= 1
+        if timed_out:
+            self.timeouts += 1
+        queues = self._squeues if waiter.shared else self._xqueues
+        for key in waiter.keys:
+            queue = queues.get(key)
+            if queue is not None and waiter in queue:
+                queue.remove(waiter)
+                if not queue:
+                    del queues[key]
+        if waiter.shared:
+            blocked = list(waiter.keys)
+            self._serve_shared(waiter.keys[0], now)  # a new head may fit its limit
+        else:
+            blocked = [k for k in waiter.keys if self._held_by_other(waiter.session, k)]
+            for key in waiter.taken:
+                self._free(waiter.session.exclusive[key], now)
+        return blocked
+
+    # ------------------------------------------------------------------ leases
+
+    def _set_lease(self, hold: Hold, deadline: float) -> None:
+        if hold.lease_deadline is None:
+            self.leases += 1
+            hold.session.leases += 1
+        hold.lease_deadline = deadline
+        self._schedule(deadline, hold)
+
+    def _schedule(self, deadline: float, target: Hold | Session) -> None:
+        timers = self._timers
+        earliest = timers[0][0] if timers else None
+        heapq.heappush(timers, (deadline, next(self._tiebreak), target))
+        if self.on_new_deadline is not None and (earliest is None or deadline < earliest):
+            self.on_new_deadline()
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`advance` next has work (possibly a stale entry), or None."""
+        return self._timers[0][0] if self._timers else None
+
+    def advance(self, now: float) -> None:
+        """Run every deadline that is due: lease ends, then grace ends."""
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            deadline, _, target = heapq.heappop(timers)
+            if isinstance(target, Hold):
+                if target.active and target.lease_deadline == deadline:
+                    self.expired += 1
+                    self._free(target, now)
+                    self._forget_if_done(target.session)
+            elif target.grace_deadline == deadline and not target.connected:
+                self._end_grace(target, now)
+
+    # ----------------------------------------------------------- introspection
+
+    def exclusive_holds(self, key: bytes | None = None) -> Iterator[Hold]:
+        if key is None:
+            yield from self.exclusive.values()
+        elif (hold := self.exclusive.get(key)) is not None:
+            yield hold
+
+    def shared_holds(self, key: bytes | None = None) -> Iterator[Hold]:
+        if key is None:
+            for holders in self.shared.values():
+                yield from holders.values()
+        elif (of_key := self.shared.get(key)) is not None:
+            yield from of_key.values()
+
+    def waiting_for(self, key: bytes) -> int:
+        """Requests waiting for ``key``, in either table."""
+        return len(self._xqueues.get(key, ())) + len(self._squeues.get(key, ()))

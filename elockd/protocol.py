@@ -1,0 +1,151 @@
+"""Sans-IO request handling: a request line in, a reply (or a wait) out.
+
+A :class:`Connection` is one client's view of the lock service. The server feeds it
+the lines that :class:`elockd.framing.LineReader` cut from the socket and writes
+back what it returns; nothing here touches a socket or a clock, so every reply of
+PROTOCOL.md is a one-line unit test. Requests that wait return a :class:`Pending`,
+which the server awaits and then asks for its final reply.
+
+One table (:data:`COMMANDS`, built from :mod:`elockd.terse` and :mod:`elockd.word`)
+maps each verb to its handler; the dispatcher counts the verb, then calls it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Callable
+
+from elockd.config import Config
+from elockd.locks import LockEngine, Waiter
+from elockd.replies import STYLES, TerseReplies
+from elockd.stats import Counters, snapshot
+
+LINE_TOO_LONG = b"0 Line Too Long\r\n"
+TERSE_AUTH_REQUIRED = b"0 Auth Required\r\n"
+WORD_AUTH_REQUIRED = b"403 Auth Required\r\n"
+INVALID_VERB_SHOWN = 64  # bytes of an unknown verb echoed back
+
+
+class BadRequest(Exception):
+    """Raised by a word handler for bad arguments; becomes ``400 Bad Request: …``."""
+
+
+class Pending:
+    """A request that waits for a grant, at most ``timeout`` seconds.
+
+    The server points ``waiter.wake`` at an event, waits for it or the timeout, then
+    calls :meth:`finish` for the reply. Finishing an ungranted waiter cancels it and
+    counts a timeout, so a waiter that gave up can never be granted later.
+    """
+
+    __slots__ = ("connection", "on_granted", "on_refused", "timeout", "waiter")
+
+    def __init__(
+        self,
+        connection: Connection,
+        waiter: Waiter,
+        timeout: float,
+        on_granted: Callable[[], bytes],
+        on_refused: Callable[[list[bytes]], bytes],
+    ) -> None:
+        self.connection = connection
+        self.waiter = waiter
+        self.timeout = timeout
+        self.on_granted = on_granted
+        self.on_refused = on_refused
+
+    def finish(self, now: float) -> bytes:
+        if self.waiter.granted:
+            return self.on_granted()
+        engine = self.connection.service.engine
+        return self.on_refused(engine.cancel(self.waiter, now, timed_out=True))
+
+
+Reply = bytes | Pending
+Handler = Callable[["Connection", bytes, float], Reply]
+
+
+class Service:
+    """What every connection shares: the engine, the counters, the settings."""
+
+    def __init__(self, config: Config, engine: LockEngine, auth_token: bytes | None = None) -> None:
+        from elockd.commands import COMMANDS, WORD_VERBS
+
+        self.config = config
+        self.engine = engine
+        self.commands: dict[bytes, Handler] = COMMANDS
+        self.word_verbs = WORD_VERBS
+        self.replies: TerseReplies = STYLES[config.replies]
+        self.counters = Counters(list(COMMANDS))
+        self.connections: set[Connection] = set()
+        self.auth_token = auth_token
+
+    def snapshot(self) -> dict[str, int]:
+        return snapshot(self.engine, self.counters)
+
+    def new_session_id(self) -> str:
+        """128 random bits from the OS CSPRNG: a session id is a bearer secret."""
+        return secrets.token_hex(16)
+
+
+class Connection:
+    """One client connection: its session, its name, and request dispatch."""
+
+    __slots__ = ("authenticated", "closing", "engine", "peer", "replies", "service", "session")
+
+    def __init__(self, service: Service, peer: bytes) -> None:
+        self.service = service
+        self.engine = service.engine
+        self.replies = service.replies
+        self.peer = peer
+        self.session = service.engine.open_session(service.new_session_id(), peer)
+        self.session.grace = service.config.grace_ms / 1000
+        self.closing = False  # set by `quit` and a failed `auth`: close after this reply
+        self.authenticated = service.auth_token is None
+        service.connections.add(self)
+        service.counters.connections += 1
+
+    def handle(self, line: bytes | None, now: float) -> Reply:
+        """Answer one request line (None stands for an over-long line)."""
+        counters = self.service.counters
+        if line is None:
+            counters.invalid_commands += 1
+            return LINE_TOO_LONG
+        if line[-1:] == b"\r":
+            line = line[:-1]
+        line = line.strip(b" \t")
+        cut = line.find(b" ")
+        tab = line.find(b"\t", 0, len(line) if cut < 0 else cut)
+        if tab >= 0:
+            cut = tab
+        if cut < 0:
+            verb, rest = line, b""
+        else:
+            verb, rest = line[:cut], line[cut + 1 :]
+        handler = self.service.commands.get(verb)
+        if handler is None:
+            counters.invalid_commands += 1
+            return b"0 Invalid Command: %s\r\n" % verb[:INVALID_VERB_SHOWN]
+        counters.commands[verb] += 1
+        if not self.authenticated and verb != b"auth":
+            return WORD_AUTH_REQUIRED if verb in self.service.word_verbs else TERSE_AUTH_REQUIRED
+        try:
+            return handler(self, rest, now)
+        except BadRequest as error:
+            return b"400 Bad Request: %s\r\n" % str(error).encode()
+
+    def check_token(self, token: bytes) -> bool:
+        """``auth TOKEN``: constant-time comparison, so timing leaks nothing."""
+        expected = self.service.auth_token
+        if expected is None:
+            return True
+        self.authenticated = hmac.compare_digest(token, expected)
+        return self.authenticated
+
+    def close(self, now: float) -> None:
+        """The connection is gone: its session follows its grace rule."""
+        if self in self.service.connections:
+            self.service.connections.discard(self)
+            self.service.counters.connections -= 1
+            self.engine.disconnect(self.session, now)

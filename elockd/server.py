@@ -1,0 +1,282 @@
+"""Trio glue: listeners, one nursery task per connection, the deadline timer, shutdown.
+
+Nothing here decides anything about locks or replies: a connection task reads
+bytes, hands every complete line of the chunk to its sans-IO
+:class:`~elockd.protocol.Connection`, and sends all the replies of the chunk in one
+write. Only a request that waits breaks that rhythm: replies before it are flushed,
+then the task waits for the grant, the timeout, or the peer going away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import resource
+import signal
+import socket
+import stat
+import time
+from collections.abc import Sequence
+
+import trio
+
+from elockd.config import Config
+from elockd.framing import LineReader
+from elockd.locks import LockEngine
+from elockd.protocol import Connection, Pending, Service
+from elockd.transport import SocketTransport, StreamTransport, Transport
+
+log = logging.getLogger("elockd")
+
+TOO_MANY_CONNECTIONS = b"0 Too Many Connections\r\n"
+LISTEN_BACKLOG = 4096
+
+
+def peer_name(address: object) -> bytes:
+    """``IP:PORT`` for TCP peers (``[IP]:PORT`` for IPv6); ``unix`` otherwise."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host, port = address[0], address[1]
+        return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
+    return b"unix"
+
+
+async def serve_connection(service: Service, transport: Transport, peer: bytes) -> None:
+    """Run one client connection to its end, then free its session per its rules."""
+    conn = Connection(service, peer)
+    reader = LineReader(service.config.max_line)
+    try:
+        while not conn.closing:
+            data = await transport.receive()
+            if not data:
+                break
+            now = trio.current_time()
+            replies: list[bytes] = []
+            for line in reader.feed(data):
+                reply = conn.handle(line, now)
+                if type(reply) is not bytes:
+                    assert isinstance(reply, Pending)
+                    if replies:
+                        await transport.send(b"".join(replies))
+                        replies.clear()
+                    final = await wait_for_grant(reply, transport)
+                    if final is None:  # the peer left while waiting
+                        return
+                    reply = final
+                    now = trio.current_time()
+                replies.append(reply)
+                if conn.closing:
+                    break
+            if replies:
+                await transport.send(b"".join(replies))
+    except trio.BrokenResourceError:
+        pass  # the peer is gone; nothing to tell it
+    finally:
+        conn.close(trio.current_time())
+        await transport.aclose()
+
+
+async def wait_for_grant(pending: Pending, transport: Transport) -> bytes | None:
+    """Wait until the request is granted or times out: its reply. None when the
+    peer disconnected first (its session's disconnect then cancels the wait)."""
+    waiter = pending.waiter
+    peer_gone = False
+    if not waiter.granted:
+        granted = trio.Event()
+        waiter.wake = granted.set
+
+        async def watch_peer() -> None:
+            nonlocal peer_gone
+            await transport.watch_for_close()
+            peer_gone = True
+            nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_peer)
+            with trio.move_on_after(pending.timeout):
+                await granted.wait()
+            nursery.cancel_scope.cancel()
+        waiter.wake = None
+    if peer_gone and not waiter.granted:
+        return None
+    return pending.finish(trio.current_time())
+
+
+class DeadlineTimer:
+    """One task that runs the engine's lease and grace deadlines exactly on time.
+
+    It sleeps until the engine's earliest deadline; the engine pokes it when a new
+    deadline comes before that, so there is no polling and no scan.
+    """
+
+    def __init__(self, engine: LockEngine) -> None:
+        self.engine = engine
+        self._changed = trio.Event()
+        engine.on_new_deadline = self._poke
+
+    def _poke(self) -> None:
+        self._changed.set()
+
+    async def run(self) -> None:
+        while True:
+            self._changed = trio.Event()
+            deadline = self.engine.next_deadline()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self._changed.wait()
+            self.engine.advance(trio.current_time())
+
+
+def open_tcp_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound, listening, non-blocking sockets for every address of ``host``."""
+    sockets: list[socket.socket] = []
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            if port == 0:  # one ephemeral port for every address family
+                port = sock.getsockname()[1]
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def open_unix_socket(path: str) -> socket.socket:
+    """A listening Unix socket at ``path``, replacing a stale socket file (only)."""
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(LISTEN_BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
+def tune_accepted(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+async def accept_loop(service: Service, listener: socket.socket, nursery: trio.Nursery) -> None:
+    """Accept every pending connection, one task each; refuse those over the limit."""
+    limit = service.config.max_connections
+    while True:
+        await trio.lowlevel.wait_readable(listener)
+        while True:
+            try:
+                sock, address = listener.accept()
+            except BlockingIOError:
+                break
+            except OSError as error:
+                if error.errno in (errno.EMFILE, errno.ENFILE):
+                    log.warning("accept: out of file descriptors (%s); pausing", error)
+                    await trio.sleep(0.1)
+                    break
+                if error.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue
+                raise
+            if service.counters.connections >= limit:
+                refuse(sock)
+                continue
+            tune_accepted(sock)
+            nursery.start_soon(serve_connection, service, SocketTransport(sock), peer_name(address))
+
+
+def refuse(sock: socket.socket) -> None:
+    """Tell a connection over ``--max-connections`` why, then close it."""
+    sock.setblocking(False)
+    with contextlib.suppress(OSError):
+        sock.send(TOO_MANY_CONNECTIONS)
+    sock.close()
+
+
+async def serve_stream(service: Service, stream: trio.abc.Stream, peer: bytes) -> None:
+    """Serve a connection given as a trio Stream (TLS, tests)."""
+    await serve_connection(service, StreamTransport(stream), peer)
+
+
+def raise_open_file_limit() -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard limit: each connection is a descriptor."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def make_service(config: Config) -> Service:
+    """The engine and service the server runs. Fencing tokens are seeded from the
+    wall clock in nanoseconds, so they keep increasing across restarts as long as
+    the clock does not step back and fewer than 10^9 tokens a second are issued."""
+    engine = LockEngine(first_token=time.time_ns(), max_waiters=config.max_waiters)
+    return Service(config, engine)
+
+
+async def serve(
+    config: Config,
+    service: Service | None = None,
+    *,
+    task_status: trio.TaskStatus[list[tuple[str, int] | str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen and serve until cancelled. Cancellation closes every connection, whose
+    holds are then freed and counted like any disconnect."""
+    service = service or make_service(config)
+    listeners = open_tcp_sockets(config.host, config.port)
+    if config.unix:
+        listeners.append(open_unix_socket(config.unix))
+    addresses: list[tuple[str, int] | str] = [sock.getsockname() for sock in listeners]
+    files = raise_open_file_limit()
+    if files < config.max_connections + 64:
+        log.warning(
+            "open file limit %d is below --max-connections %d", files, config.max_connections
+        )
+    timer = DeadlineTimer(service.engine)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(timer.run)
+            for listener in listeners:
+                nursery.start_soon(accept_loop, service, listener, nursery)
+            log.info("elockd listening on %s", ", ".join(describe(a) for a in addresses))
+            task_status.started(addresses)
+    finally:
+        for listener in listeners:
+            listener.close()
+        if config.unix:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config.unix)
+
+
+def describe(address: tuple[str, int] | str) -> str:
+    if isinstance(address, str):
+        return f"unix:{address}"
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def run_until_signal(config: Config, signals: Sequence[int] = ()) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down cleanly."""
+    wanted = signals or (signal.SIGINT, signal.SIGTERM)
+    with trio.open_signal_receiver(*wanted) as received:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, config)
+            async for signum in received:
+                log.info("%s received: closing every connection", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break

@@ -1,0 +1,82 @@
+"""A session: who holds what.
+
+A session is born with a connection and owns every hold that connection takes. It
+outlives its connection only while a grace time runs (``set_timeout``) or while it
+still owns a lease, so that ``conn_id ID`` can take it over after a network blip.
+These are plain records; the rules that change them live in :mod:`elockd.locks`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elockd.locks import Waiter
+
+
+class Hold:
+    """One session's hold on one key, exclusive or shared.
+
+    ``token`` is the fencing token of an exclusive hold (0 for shared holds).
+    ``lease_deadline`` is None for a plain hold, which lives as long as its session.
+    ``active`` turns False when the hold is freed, so stale lease-heap entries that
+    still point at it are recognised and skipped.
+    """
+
+    __slots__ = ("active", "granted_at", "key", "lease_deadline", "session", "shared", "token")
+
+    def __init__(
+        self, session: Session, key: bytes, shared: bool, token: int, granted_at: float
+    ) -> None:
+        self.session = session
+        self.key = key
+        self.shared = shared
+        self.token = token
+        self.granted_at = granted_at
+        self.lease_deadline: float | None = None
+        self.active = True
+
+
+class Session:
+    """A connection's identity: its holds, pending waits, grace time and name.
+
+    ``peer`` is ``IP:PORT`` of the current (or last) connection; ``name`` is what the
+    client set with ``iam``. Identity (not equality) is what the lock tables key on.
+    """
+
+    __slots__ = (
+        "connected",
+        "exclusive",
+        "grace",
+        "grace_deadline",
+        "id",
+        "leases",
+        "name",
+        "peer",
+        "shared",
+        "waiters",
+    )
+
+    def __init__(self, session_id: str, peer: bytes) -> None:
+        self.id = session_id
+        self.peer = peer
+        self.name: bytes | None = None
+        self.connected = True
+        self.grace = 0.0
+        self.grace_deadline: float | None = None
+        self.exclusive: dict[bytes, Hold] = {}
+        self.shared: dict[bytes, Hold] = {}
+        self.waiters: set[Waiter] = set()
+        self.leases = 0
+
+    @property
+    def owner(self) -> bytes:
+        """What ``d``/``sd``/``info`` print for this session's holds."""
+        return self.name if self.name is not None else self.peer
+
+    def is_empty(self) -> bool:
+        """True when the session holds nothing and waits for nothing."""
+        return not (self.exclusive or self.shared or self.waiters)
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id[:8]} {self.owner!r}>"

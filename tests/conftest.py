@@ -1,0 +1,140 @@
+"""Shared fixtures: an in-process server on a free loopback port, and a line client.
+
+``server`` runs :func:`elockd.server.serve` inside the test's own trio run, so a
+test that asks for ``mock_clock`` (pytest-trio's ``trio.testing.MockClock``) gets
+exact, instant leases, waits and grace periods over real TCP.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, replace
+
+import pytest
+import trio
+import trio.testing
+
+from elockd.config import Config
+from elockd.protocol import Service
+from elockd.server import make_service, serve
+
+
+@pytest.fixture
+def mock_clock() -> trio.testing.MockClock:
+    """Time that jumps ahead whenever every task is blocked: sleeps cost nothing."""
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+class LineClient:
+    """A test client: send raw bytes, read ``\\r\\n``-terminated reply lines."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buffer = b""
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def line(self) -> bytes:
+        """The next reply line, ``\\r\\n`` included."""
+        while b"\r\n" not in self._buffer:
+            chunk = await self.stream.receive_some(65536)
+            if not chunk:
+                raise EOFError(f"connection closed; partial {self._buffer!r}")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\r\n")
+        return line + b"\r\n"
+
+    async def lines_until_end(self) -> list[bytes]:
+        """Lines of a multi-line reply, up to and including ``END``."""
+        lines = []
+        while True:
+            line = await self.line()
+            lines.append(line)
+            if line == b"END\r\n":
+                return lines
+
+    async def request(self, line: bytes) -> bytes:
+        """Send one request line and return its one-line reply (without ``\\r\\n``)."""
+        await self.send(line + b"\n")
+        return (await self.line())[:-2]
+
+    async def stats(self) -> dict[str, int]:
+        await self.send(b"q\n")
+        lines = await self.lines_until_end()
+        values = {}
+        for line in lines[:-1]:
+            name, _, value = line[:-2].decode().partition(": ")
+            values[name] = int(value)
+        return values
+
+    async def at_eof(self) -> bool:
+        """True once the server has closed the connection (and sent nothing more)."""
+        return self._buffer == b"" and await self.stream.receive_some(1) == b""
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+@dataclass
+class RunningServer:
+    port: int
+    service: Service
+    config: Config
+    _clients: list[LineClient]
+
+    async def connect(self) -> LineClient:
+        client = LineClient(await trio.open_tcp_stream("127.0.0.1", self.port))
+        self._clients.append(client)
+        return client
+
+
+@pytest.fixture
+def server_config() -> Config:
+    """Override in a test module (or parametrize) to start the server differently."""
+    return Config(port=0, metrics_port=0)
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery, server_config: Config) -> AsyncIterator[RunningServer]:
+    config = replace(server_config, host="127.0.0.1", port=0)
+    service = make_service(config)
+    addresses = await nursery.start(serve, config, service)
+    port = next(a[1] for a in addresses if isinstance(a, tuple))
+    running = RunningServer(port, service, config, [])
+    yield running
+    for client in running._clients:
+        await client.aclose()
+
+
+@pytest.fixture
+def spawn_server(
+    tmp_path: os.PathLike[str],
+) -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]:
+    """Start ``python -m elockd`` as a real process on a free port; stopped afterwards."""
+    processes: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen[str], int]:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "elockd", "--port", "0", "--metrics-port", "0", *args],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        processes.append(process)
+        assert process.stderr is not None
+        for line in process.stderr:
+            if "listening on" in line:
+                first = line.split("listening on ", 1)[1].split(",")[0]
+                port = int(first.rsplit(":", 1)[1])
+                return process, port
+        raise RuntimeError(f"server did not start (exit {process.wait()})")
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        if process.stderr:
+            process.stderr.close()
