@@ -110,9 +110,7 @@ async def server(nursery: trio.Nursery, server_config: Config) -> AsyncIterator[
 
 
 @pytest.fixture
-def spawn_server(
-    tmp_path: os.PathLike[str],
-) -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]:
+def spawn_server() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]:
     """Start ``python -m elockd`` as a real process on a free port; stopped afterwards."""
     processes: list[subprocess.Popen[str]] = []
 
