@@ -28,6 +28,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError("must be a number above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = Config()
     parser = argparse.ArgumentParser(
@@ -73,6 +80,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="waiting requests per key",
     )
     add(
+        "--max-holds",
+        type=positive_int,
+        default=defaults.max_holds,
+        help="holds one session may have at once ('0 Too Many Holds' / '413 Too Many Holds')",
+    )
+    add(
+        "--idle-timeout",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="close a connection that sends nothing for this long (off by default; "
+        "holders keep theirs open with 'ping')",
+    )
+    add(
+        "--send-timeout",
+        type=positive_float,
+        default=defaults.send_timeout,
+        metavar="SECONDS",
+        help="drop a client whose replies cannot be sent for this long (it stopped reading)",
+    )
+    add(
+        "--handshake-timeout",
+        type=positive_float,
+        default=defaults.handshake_timeout,
+        metavar="SECONDS",
+        help="time a TLS client has to finish its handshake",
+    )
+    add(
+        "--auth-token-file",
+        metavar="FILE",
+        default=None,
+        help="demand 'auth TOKEN' with this file's content as the first request",
+    )
+    add("--tls-cert", metavar="PEM", default=None, help="serve the lock port over TLS")
+    add("--tls-key", metavar="PEM", default=None, help="private key of --tls-cert")
+    add(
+        "--tls-client-ca",
+        metavar="PEM",
+        default=None,
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
+    add(
         "--grace-ms",
         type=non_negative_int,
         default=defaults.grace_ms,
@@ -87,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> Config:
-    options = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    options = vars(parser.parse_args(argv))
+    if (options["tls_key"] or options["tls_client_ca"]) and not options["tls_cert"]:
+        parser.error("--tls-key and --tls-client-ca need --tls-cert")
     return Config(**options)
 
 
@@ -100,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         trio.run(run_until_signal, config)
-    except OSError as error:
+    except (OSError, ValueError) as error:
         logging.getLogger("elockd").error("cannot start: %s", error)
         return 1
     return 0

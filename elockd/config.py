@@ -17,5 +17,13 @@ class Config:
     max_line: int = 4096
     max_keys: int = 64
     max_waiters: int = 10_000
+    max_holds: int = 10_000
     grace_ms: int = 0
+    idle_timeout: float | None = None
+    send_timeout: float = 30.0
+    handshake_timeout: float = 10.0
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
     log_level: str = "info"

@@ -48,6 +48,10 @@ class QueueFull(Exception):
     """A key's queue already holds ``max_waiters`` requests."""
 
 
+class TooManyHolds(Exception):
+    """The session already has ``max_holds`` holds; a new one would pass the limit."""
+
+
 class Waiter:
     """One request that could not be granted at once and chose to wait.
 
@@ -115,6 +119,7 @@ class LockEngine:
         *,
         first_token: int = 1,
         max_waiters: int = 10_000,
+        max_holds: int = 10_000,
         on_new_deadline: Callable[[], None] | None = None,
         on_hold_end: Callable[[bool, float], None] | None = None,
     ) -> None:
@@ -132,6 +137,7 @@ class LockEngine:
         self._tiebreak = itertools.count()
         self._next_token = first_token
         self.max_waiters = max_waiters
+        self.max_holds = max_holds
         self.on_new_deadline = on_new_deadline
         self.on_hold_end = on_hold_end
         # Counters read by `q`, `stats` and /metrics.
@@ -196,6 +202,7 @@ class LockEngine:
         """Try once. A holder asking again keeps its one hold (``ttl`` sets its lease)."""
         hold = self.exclusive.get(key)
         if hold is None:
+            self._check_hold_room(session, 1)
             self._grant_exclusive(session, key, now, ttl)
             return True
         if hold.session is session:
@@ -210,6 +217,7 @@ class LockEngine:
         """Acquire, or queue first come, first served. None means granted at once."""
         if self.acquire(session, key, now, ttl):
             return None
+        self._check_hold_room(session, 1)
         self._check_room(self._xqueues, (key,))
         waiter = Waiter(session, (key,), shared=False, limit=1, ttl=ttl, since=now)
         self._xqueues.setdefault(key, deque()).append(waiter)
@@ -251,12 +259,14 @@ class LockEngine:
         wanted = tuple(dict.fromkeys(keys))
         blocked = [k for k in wanted if self._held_by_other(session, k)]
         if not blocked:
+            self._check_hold_room(session, sum(k not in session.exclusive for k in wanted))
             for key in wanted:
                 self.acquire(session, key, now, ttl)
             return None
         if not wait:
             return blocked
         missing = [k for k in wanted if k not in session.exclusive]
+        self._check_hold_room(session, len(missing))
         self._check_room(self._xqueues, missing)
         waiter = Waiter(session, wanted, shared=False, limit=1, ttl=ttl, since=now)
         waiter.missing = len(missing)
@@ -307,6 +317,7 @@ class LockEngine:
             count = 0
         if limit is not None and (count >= limit or key in self._squeues):
             return False, count
+        self._check_hold_room(session, 1)
         return True, self._grant_shared(session, key, now, ttl)
 
     def _grant_shared(self, session: Session, key: bytes, now: float, ttl: float | None) -> int:
@@ -328,6 +339,7 @@ class LockEngine:
         granted, count = self.acquire_shared(session, key, now, limit=limit, ttl=ttl)
         if granted:
             return count
+        self._check_hold_room(session, 1)
         self._check_room(self._squeues, (key,))
         waiter = Waiter(session, (key,), shared=True, limit=limit, ttl=ttl, since=now)
         self._squeues.setdefault(key, deque()).append(waiter)
@@ -408,6 +420,10 @@ class LockEngine:
             self._complete(waiter, now)
 
     # ----------------------------------------------------------------- waiters
+
+    def _check_hold_room(self, session: Session, new: int) -> None:
+        if len(session.exclusive) + len(session.shared) + new > self.max_holds:
+            raise TooManyHolds
 
     def _check_room(self, queues: dict[bytes, deque[Waiter]], keys: Iterable[bytes]) -> None:
         for key in keys:

@@ -17,13 +17,15 @@ import secrets
 from collections.abc import Callable
 
 from elockd.config import Config
-from elockd.locks import LockEngine, Waiter
+from elockd.locks import LockEngine, TooManyHolds, Waiter
 from elockd.replies import STYLES, TerseReplies
 from elockd.stats import Counters, snapshot
 
 LINE_TOO_LONG = b"0 Line Too Long\r\n"
 TERSE_AUTH_REQUIRED = b"0 Auth Required\r\n"
 WORD_AUTH_REQUIRED = b"403 Auth Required\r\n"
+TERSE_TOO_MANY_HOLDS = b"0 Too Many Holds\r\n"
+WORD_TOO_MANY_HOLDS = b"413 Too Many Holds\r\n"
 INVALID_VERB_SHOWN = 64  # bytes of an unknown verb echoed back
 
 
@@ -134,6 +136,10 @@ class Connection:
             return handler(self, rest, now)
         except BadRequest as error:
             return b"400 Bad Request: %s\r\n" % str(error).encode()
+        except TooManyHolds:
+            if verb in self.service.word_verbs:
+                return WORD_TOO_MANY_HOLDS
+            return TERSE_TOO_MANY_HOLDS
 
     def check_token(self, token: bytes) -> bool:
         """``auth TOKEN``: constant-time comparison, so timing leaks nothing."""

@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import socket
+import ssl
 import stat
 import time
 from collections.abc import Sequence
@@ -47,9 +48,15 @@ async def serve_connection(service: Service, transport: Transport, peer: bytes) 
     """Run one client connection to its end, then free its session per its rules."""
     conn = Connection(service, peer)
     reader = LineReader(service.config.max_line)
+    idle_timeout = service.config.idle_timeout
     try:
         while not conn.closing:
-            data = await transport.receive()
+            if idle_timeout is None:
+                data = await transport.receive()
+            else:
+                data = b""  # stays empty when the idle timeout ends the connection
+                with trio.move_on_after(idle_timeout):
+                    data = await transport.receive()
             if not data:
                 break
             now = trio.current_time()
@@ -171,9 +178,15 @@ def tune_accepted(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
-async def accept_loop(service: Service, listener: socket.socket, nursery: trio.Nursery) -> None:
+async def accept_loop(
+    service: Service,
+    listener: socket.socket,
+    nursery: trio.Nursery,
+    tls: ssl.SSLContext | None = None,
+) -> None:
     """Accept every pending connection, one task each; refuse those over the limit."""
     limit = service.config.max_connections
+    send_timeout = service.config.send_timeout
     while True:
         await trio.lowlevel.wait_readable(listener)
         while True:
@@ -193,7 +206,11 @@ async def accept_loop(service: Service, listener: socket.socket, nursery: trio.N
                 refuse(sock)
                 continue
             tune_accepted(sock)
-            nursery.start_soon(serve_connection, service, SocketTransport(sock), peer_name(address))
+            if tls is None:
+                transport = SocketTransport(sock, send_timeout)
+                nursery.start_soon(serve_connection, service, transport, peer_name(address))
+            else:
+                nursery.start_soon(serve_tls, service, sock, tls, peer_name(address))
 
 
 def refuse(sock: socket.socket) -> None:
@@ -206,7 +223,46 @@ def refuse(sock: socket.socket) -> None:
 
 async def serve_stream(service: Service, stream: trio.abc.Stream, peer: bytes) -> None:
     """Serve a connection given as a trio Stream (TLS, tests)."""
-    await serve_connection(service, StreamTransport(stream), peer)
+    await serve_connection(service, StreamTransport(stream, service.config.send_timeout), peer)
+
+
+async def serve_tls(
+    service: Service, sock: socket.socket, context: ssl.SSLContext, peer: bytes
+) -> None:
+    """Complete the TLS handshake within ``--handshake-timeout``, then serve."""
+    stream = trio.SSLStream(
+        trio.SocketStream(trio.socket.from_stdlib_socket(sock)), context, server_side=True
+    )
+    with trio.move_on_after(service.config.handshake_timeout):
+        try:
+            await stream.do_handshake()
+        except trio.BrokenResourceError as error:
+            log.info("TLS handshake with %s failed: %s", peer.decode(), error.__cause__ or error)
+        else:
+            await serve_stream(service, stream, peer)
+            return
+    await trio.aclose_forcefully(stream)
+
+
+def tls_context(config: Config) -> ssl.SSLContext | None:
+    """The lock port's TLS settings; with a client CA, client certificates are required."""
+    if not config.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_client_ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(config.tls_client_ca)
+    return context
+
+
+def read_auth_token(path: str) -> bytes:
+    """The shared secret of ``auth``: the file's content without surrounding blanks."""
+    with open(path, "rb") as file:
+        token = file.read().strip()
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    return token
 
 
 def raise_open_file_limit() -> int:
@@ -225,8 +281,11 @@ def make_service(config: Config) -> Service:
     """The engine and service the server runs. Fencing tokens are seeded from the
     wall clock in nanoseconds, so they keep increasing across restarts as long as
     the clock does not step back and fewer than 10^9 tokens a second are issued."""
-    engine = LockEngine(first_token=time.time_ns(), max_waiters=config.max_waiters)
-    return Service(config, engine)
+    engine = LockEngine(
+        first_token=time.time_ns(), max_waiters=config.max_waiters, max_holds=config.max_holds
+    )
+    token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
+    return Service(config, engine, auth_token=token)
 
 
 async def serve(
@@ -238,7 +297,9 @@ async def serve(
     """Listen and serve until cancelled. Cancellation closes every connection, whose
     holds are then freed and counted like any disconnect."""
     service = service or make_service(config)
+    tls = tls_context(config)
     listeners = open_tcp_sockets(config.host, config.port)
+    tcp_listeners = len(listeners)
     if config.unix:
         listeners.append(open_unix_socket(config.unix))
     addresses: list[tuple[str, int] | str] = [sock.getsockname() for sock in listeners]
@@ -251,8 +312,10 @@ async def serve(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(timer.run)
-            for listener in listeners:
-                nursery.start_soon(accept_loop, service, listener, nursery)
+            for index, listener in enumerate(listeners):
+                # TLS protects the TCP port; the Unix socket is guarded by file modes.
+                listener_tls = tls if index < tcp_listeners else None
+                nursery.start_soon(accept_loop, service, listener, nursery, listener_tls)
             log.info("elockd listening on %s", ", ".join(describe(a) for a in addresses))
             task_status.started(addresses)
     finally:

@@ -11,6 +11,7 @@ calls, and both keep data read while a request waits (see ``watch_for_close``).
 
 from __future__ import annotations
 
+import math
 import socket
 from typing import Protocol
 
@@ -61,14 +62,20 @@ class _ReadAhead:
 
 
 class SocketTransport(_ReadAhead):
-    """A connected non-blocking stdlib socket, driven with trio's readiness waits."""
+    """A connected non-blocking stdlib socket, driven with trio's readiness waits.
 
-    __slots__ = ("sock",)
+    ``send_timeout`` bounds how long a reply may wait for room in the socket's send
+    buffer: a client that stops reading its replies stops being read (we are stuck
+    in send) and is dropped when this runs out, so its backlog cannot grow.
+    """
 
-    def __init__(self, sock: socket.socket) -> None:
+    __slots__ = ("send_timeout", "sock")
+
+    def __init__(self, sock: socket.socket, send_timeout: float = math.inf) -> None:
         super().__init__()
         sock.setblocking(False)
         self.sock = sock
+        self.send_timeout = send_timeout
 
     async def _receive_raw(self) -> bytes:
         sock = self.sock
@@ -86,12 +93,18 @@ class SocketTransport(_ReadAhead):
     async def send(self, data: bytes) -> None:
         sock = self.sock
         view = memoryview(data)
+        deadline = math.inf
         while view:
             try:
                 sent = sock.send(view)
             except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
-                continue
+                # The slow path only: the common send never builds a cancel scope.
+                if deadline == math.inf:
+                    deadline = trio.current_time() + self.send_timeout
+                with trio.move_on_at(deadline):
+                    await trio.lowlevel.wait_writable(sock)
+                    continue
+                raise trio.BrokenResourceError("send timed out: peer not reading") from None
             except OSError as error:
                 raise trio.BrokenResourceError from error
             view = view[sent:]
@@ -103,11 +116,12 @@ class SocketTransport(_ReadAhead):
 class StreamTransport(_ReadAhead):
     """Any trio Stream: TLS, memory streams in tests."""
 
-    __slots__ = ("stream",)
+    __slots__ = ("send_timeout", "stream")
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream, send_timeout: float = math.inf) -> None:
         super().__init__()
         self.stream = stream
+        self.send_timeout = send_timeout
 
     async def _receive_raw(self) -> bytes:
         try:
@@ -116,7 +130,10 @@ class StreamTransport(_ReadAhead):
             return b""
 
     async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
+        with trio.move_on_after(self.send_timeout):
+            await self.stream.send_all(data)
+            return
+        raise trio.BrokenResourceError("send timed out: peer not reading")
 
     async def aclose(self) -> None:
         await trio.aclose_forcefully(self.stream)

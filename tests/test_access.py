@@ -1,0 +1,170 @@
+"""Limits and access control: hold limits, idle and send timeouts, auth tokens, TLS."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+
+from elockd.config import Config
+from elockd.server import make_service, serve
+from tests.conftest import LineClient, RunningServer
+
+
+@pytest.mark.parametrize("server_config", [Config(max_holds=2)])
+async def test_hold_limit_refuses_new_holds_only(server: RunningServer) -> None:
+    client = await server.connect()
+    assert await client.request(b"g a") == b"1 Got Lock"
+    assert await client.request(b"sg b") == b"1 Got Lock"
+    assert await client.request(b"g c") == b"0 Too Many Holds"
+    assert await client.request(b"sg c") == b"0 Too Many Holds"
+    assert await client.request(b"lock c") == b"413 Too Many Holds"
+    assert await client.request(b"lock_shared c limit=3") == b"413 Too Many Holds"
+    assert await client.request(b"mlock a c") == b"413 Too Many Holds"
+    assert await client.request(b"g a") == b"1 Got Lock"  # a repeat adds no hold
+    assert await client.request(b"i c") == b"0 Not Locked"
+    assert await client.request(b"r a") == b"1 Released Lock"
+    assert await client.request(b"g c") == b"1 Got Lock"
+
+
+@pytest.mark.parametrize("server_config", [Config(idle_timeout=30)])
+async def test_idle_timeout_closes_silent_connections(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    silent, pinging = await server.connect(), await server.connect()
+    assert await silent.request(b"g held") == b"1 Got Lock"
+    assert await pinging.request(b"g kept") == b"1 Got Lock"
+    for _ in range(4):
+        await trio.sleep(20)
+        assert await pinging.request(b"ping") == b"200 PONG"
+    assert await silent.at_eof()
+    assert await pinging.request(b"i held") == b"0 Not Locked"
+    assert await pinging.request(b"i kept") == b"1 Locked"
+
+
+@pytest.mark.parametrize("server_config", [Config(send_timeout=5)])
+async def test_client_that_never_reads_is_dropped(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    reader, hog = await server.connect(), await server.connect()
+    assert await hog.request(b"g hogged") == b"1 Got Lock"
+    # Each `q` reply is ~500 bytes: 40,000 of them are far more than the socket
+    # buffers hold, so the server blocks in send, stops reading, and gives up.
+    await hog.send(b"q\n" * 40_000)
+    with trio.fail_after(60):
+        while await reader.request(b"i hogged") == b"1 Locked":
+            await trio.sleep(1)
+    stats = await reader.stats()
+    assert stats["orphans"] == 1
+    assert stats["connections"] == 1
+
+
+def write_token(tmp_path: Path) -> str:
+    path = tmp_path / "token"
+    path.write_text("s3cret-token\n")
+    return str(path)
+
+
+async def test_auth_required_before_anything_else(nursery: trio.Nursery, tmp_path: Path) -> None:
+    config = Config(port=0, metrics_port=0, auth_token_file=write_token(tmp_path))
+    service = make_service(config)
+    addresses = await nursery.start(serve, config, service)
+    port = addresses[0][1]
+    client = LineClient(await trio.open_tcp_stream("127.0.0.1", port))
+    assert await client.request(b"g k") == b"0 Auth Required"
+    assert await client.request(b"lock k") == b"403 Auth Required"
+    assert await client.request(b"nope") == b"0 Invalid Command: nope"
+    assert not service.engine.exclusive
+    assert await client.request(b"auth s3cret-token") == b"200 OK"
+    assert await client.request(b"g k") == b"1 Got Lock"
+    intruder = LineClient(await trio.open_tcp_stream("127.0.0.1", port))
+    assert await intruder.request(b"auth guess") == b"403 Bad Token"
+    assert await intruder.at_eof()
+    await client.aclose()
+
+
+async def test_empty_token_file_refuses_to_start(tmp_path: Path) -> None:
+    path = tmp_path / "empty"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        make_service(Config(auth_token_file=str(path)))
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+def tls_files(ca: trustme.CA, tmp_path: Path) -> Iterator[dict[str, str]]:
+    server_cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert = tmp_path / "server.pem"
+    key = tmp_path / "server.key"
+    ca_file = tmp_path / "ca.pem"
+    server_cert.cert_chain_pems[0].write_to_path(str(cert))
+    server_cert.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
+    yield {"cert": str(cert), "key": str(key), "ca": str(ca_file)}
+
+
+async def start_tls_server(nursery: trio.Nursery, config: Config) -> int:
+    addresses = await nursery.start(serve, config, make_service(config))
+    return int(addresses[0][1])
+
+
+async def tls_client(port: int, context: ssl.SSLContext) -> LineClient:
+    tcp = await trio.open_tcp_stream("127.0.0.1", port)
+    stream = trio.SSLStream(tcp, context, server_hostname="127.0.0.1")
+    await stream.do_handshake()
+    return LineClient(stream)  # type: ignore[arg-type]
+
+
+async def test_tls_lock_port(
+    nursery: trio.Nursery, ca: trustme.CA, tls_files: dict[str, str]
+) -> None:
+    base = Config(port=0, metrics_port=0)
+    port = await start_tls_server(
+        nursery, replace(base, tls_cert=tls_files["cert"], tls_key=tls_files["key"])
+    )
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    client = await tls_client(port, context)
+    assert await client.request(b"g secret") == b"1 Got Lock"
+    assert await client.request(b"lock secret") == b"200 Acquired"
+    # A plaintext client gets no lock service on the TLS port.
+    plain = LineClient(await trio.open_tcp_stream("127.0.0.1", port))
+    await plain.send(b"g secret\n")
+    with pytest.raises((EOFError, trio.BrokenResourceError)):
+        await plain.line()
+    await client.aclose()
+
+
+async def test_mutual_tls_demands_a_client_certificate(
+    nursery: trio.Nursery, ca: trustme.CA, tls_files: dict[str, str]
+) -> None:
+    config = Config(
+        port=0,
+        metrics_port=0,
+        tls_cert=tls_files["cert"],
+        tls_key=tls_files["key"],
+        tls_client_ca=tls_files["ca"],
+    )
+    port = await start_tls_server(nursery, config)
+    with_cert = ssl.create_default_context()
+    ca.configure_trust(with_cert)
+    ca.issue_cert("worker-1@example.test").configure_cert(with_cert)
+    client = await tls_client(port, with_cert)
+    assert await client.request(b"g k") == b"1 Got Lock"
+    await client.aclose()
+
+    without_cert = ssl.create_default_context()
+    ca.configure_trust(without_cert)
+    with pytest.raises((trio.BrokenResourceError, EOFError)):
+        anonymous = await tls_client(port, without_cert)
+        # TLS 1.3 reports a refused client certificate on the first read.
+        await anonymous.request(b"g k")
