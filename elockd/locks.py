@@ -202,7 +202,9 @@ class LockEngine:
         """Try once. A holder asking again keeps its one hold (``ttl`` sets its lease)."""
         hold = self.exclusive.get(key)
         if hold is None:
-            self._check_hold_room(session, 1)
+            # The check of _check_hold_room, inlined: this is the hottest call of all.
+            if len(session.exclusive) + len(session.shared) >= self.max_holds:
+                raise TooManyHolds
             self._grant_exclusive(session, key, now, ttl)
             return True
         if hold.session is session:
@@ -391,11 +393,13 @@ class LockEngine:
             if not holders:
                 del self.shared[key]
             del session.shared[key]
-            self._serve_shared(key, now)
+            if key in self._squeues:
+                self._serve_shared(key, now)
         else:
             del self.exclusive[key]
             del session.exclusive[key]
-            self._serve_exclusive(key, now)
+            if key in self._xqueues:
+                self._serve_exclusive(key, now)
 
     def _serve_exclusive(self, key: bytes, now: float) -> None:
         queue = self._xqueues.get(key)

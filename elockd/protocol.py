@@ -82,6 +82,12 @@ class Service:
         self.counters = Counters(list(COMMANDS))
         self.connections: set[Connection] = set()
         self.auth_token = auth_token
+        # Before `auth` succeeds a connection dispatches through this table, where
+        # every verb but `auth` is refused: no per-request check on the hot path.
+        self.unauthenticated_commands: dict[bytes, Handler] = {
+            verb: _refuse_word if verb in WORD_VERBS else _refuse_terse for verb in COMMANDS
+        }
+        self.unauthenticated_commands[b"auth"] = COMMANDS[b"auth"]
 
     def snapshot(self) -> dict[str, int]:
         return snapshot(self.engine, self.counters)
@@ -94,7 +100,16 @@ class Service:
 class Connection:
     """One client connection: its session, its name, and request dispatch."""
 
-    __slots__ = ("authenticated", "closing", "engine", "peer", "replies", "service", "session")
+    __slots__ = (
+        "closing",
+        "command_counts",
+        "commands",
+        "engine",
+        "peer",
+        "replies",
+        "service",
+        "session",
+    )
 
     def __init__(self, service: Service, peer: bytes) -> None:
         self.service = service
@@ -104,34 +119,34 @@ class Connection:
         self.session = service.engine.open_session(service.new_session_id(), peer)
         self.session.grace = service.config.grace_ms / 1000
         self.closing = False  # set by `quit` and a failed `auth`: close after this reply
-        self.authenticated = service.auth_token is None
+        self.command_counts = service.counters.commands
+        self.commands = (
+            service.commands if service.auth_token is None else service.unauthenticated_commands
+        )
         service.connections.add(self)
         service.counters.connections += 1
 
     def handle(self, line: bytes | None, now: float) -> Reply:
-        """Answer one request line (None stands for an over-long line)."""
-        counters = self.service.counters
+        """Answer one request line (None stands for an over-long line).
+
+        This runs once per request, so the common shape (``verb`` or ``verb args``
+        with single spaces) is split with one ``partition``; anything else (leading
+        blanks, tabs, unknown verbs) takes :meth:`_split_carefully`.
+        """
         if line is None:
-            counters.invalid_commands += 1
+            self.service.counters.invalid_commands += 1
             return LINE_TOO_LONG
         if line[-1:] == b"\r":
             line = line[:-1]
-        line = line.strip(b" \t")
-        cut = line.find(b" ")
-        tab = line.find(b"\t", 0, len(line) if cut < 0 else cut)
-        if tab >= 0:
-            cut = tab
-        if cut < 0:
-            verb, rest = line, b""
-        else:
-            verb, rest = line[:cut], line[cut + 1 :]
-        handler = self.service.commands.get(verb)
+        verb, _, rest = line.partition(b" ")
+        handler = self.commands.get(verb)
         if handler is None:
-            counters.invalid_commands += 1
-            return b"0 Invalid Command: %s\r\n" % verb[:INVALID_VERB_SHOWN]
-        counters.commands[verb] += 1
-        if not self.authenticated and verb != b"auth":
-            return WORD_AUTH_REQUIRED if verb in self.service.word_verbs else TERSE_AUTH_REQUIRED
+            verb, rest = _split_carefully(line)
+            handler = self.commands.get(verb)
+            if handler is None:
+                self.service.counters.invalid_commands += 1
+                return b"0 Invalid Command: %s\r\n" % verb[:INVALID_VERB_SHOWN]
+        self.command_counts[verb] += 1
         try:
             return handler(self, rest, now)
         except BadRequest as error:
@@ -146,8 +161,10 @@ class Connection:
         expected = self.service.auth_token
         if expected is None:
             return True
-        self.authenticated = hmac.compare_digest(token, expected)
-        return self.authenticated
+        if not hmac.compare_digest(token, expected):
+            return False
+        self.commands = self.service.commands
+        return True
 
     def close(self, now: float) -> None:
         """The connection is gone: its session follows its grace rule."""
@@ -155,3 +172,24 @@ class Connection:
             self.service.connections.discard(self)
             self.service.counters.connections -= 1
             self.engine.disconnect(self.session, now)
+
+
+def _split_carefully(line: bytes) -> tuple[bytes, bytes]:
+    """The verb and the rest of a line with outer blanks dropped; the verb ends at the
+    first space or tab."""
+    line = line.strip(b" \t")
+    cut = line.find(b" ")
+    tab = line.find(b"\t", 0, len(line) if cut < 0 else cut)
+    if tab >= 0:
+        cut = tab
+    if cut < 0:
+        return line, b""
+    return line[:cut], line[cut + 1 :]
+
+
+def _refuse_terse(conn: Connection, rest: bytes, now: float) -> Reply:
+    return TERSE_AUTH_REQUIRED
+
+
+def _refuse_word(conn: Connection, rest: bytes, now: float) -> Reply:
+    return WORD_AUTH_REQUIRED

@@ -22,11 +22,9 @@ END = b"END\r\n"
 
 def terse_key(rest: bytes) -> bytes:
     """The key of a terse request: blanks trimmed, inner runs folded to one space."""
-    if b"\t" in rest:
-        rest = rest.replace(b"\t", b" ")
-    if b"  " in rest or rest[:1] == b" " or rest[-1:] == b" ":
-        return b" ".join(part for part in rest.split(b" ") if part)
-    return rest
+    if b" " not in rest and b"\t" not in rest:  # the common case, checked cheaply
+        return rest
+    return b" ".join(part for part in rest.replace(b"\t", b" ").split(b" ") if part)
 
 
 def cmd_g(conn: Connection, rest: bytes, now: float) -> bytes:

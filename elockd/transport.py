@@ -77,11 +77,30 @@ class SocketTransport(_ReadAhead):
         self.sock = sock
         self.send_timeout = send_timeout
 
+    async def receive(self) -> bytes:
+        """Yield to the other connections first, then try ``recv`` before arming epoll.
+
+        This is the hot path. Right after we reply, the peer's next request is not
+        here yet, so we let every other ready connection run (one checkpoint, which
+        also keeps a pipelining client from starving the rest); by the time we are
+        scheduled again it usually has arrived, and ``recv`` succeeds without the
+        ``epoll_ctl`` + wake-up round trip that ``wait_readable`` costs on every call.
+        Measured: +45% requests/s at one request in flight (docs/performance.md).
+        """
+        if self._read_ahead:
+            data, self._read_ahead = self._read_ahead, b""
+            return data
+        await trio.lowlevel.checkpoint()
+        try:
+            return self.sock.recv(RECEIVE_SIZE)
+        except BlockingIOError:
+            return await self._receive_raw()
+        except OSError:  # reset by peer and friends: the peer is gone
+            return b""
+
     async def _receive_raw(self) -> bytes:
         sock = self.sock
         while True:
-            # Wait first: with one request in flight the socket is rarely readable
-            # right after our reply, so trying recv first would waste a syscall.
             await trio.lowlevel.wait_readable(sock)
             try:
                 return sock.recv(RECEIVE_SIZE)
