@@ -25,8 +25,8 @@ run: $(VENV)/.installed-run
 	$(BIN)/elockd --host $(HOST) --port $(PORT) --metrics-port $(METRICS_PORT)
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check elockd tests munin contrib
-	$(BIN)/ruff format --check elockd tests munin contrib
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 test: lint
