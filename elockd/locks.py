@@ -398,8 +398,22 @@ class LockEngine:
         else:
             del self.exclusive[key]
             del session.exclusive[key]
+            if session.waiters:
+                self._requeue_lost_key(session, key)
             if key in self._xqueues:
                 self._serve_exclusive(key, now)
+
+    def _requeue_lost_key(self, session: Session, key: bytes) -> None:
+        """An ``mlock`` waiter counted a key its session already held as done; that
+        hold's lease just ended, so the waiter needs the key again and queues for it
+        (behind everyone already queued). Without this it would be granted while
+        missing a key."""
+        for waiter in session.waiters:
+            if not waiter.shared and key in waiter.keys:
+                waiter.missing += 1
+                if key in waiter.taken:
+                    waiter.taken.remove(key)
+                self._xqueues.setdefault(key, deque()).append(waiter)
 
     def _serve_exclusive(self, key: bytes, now: float) -> None:
         queue = self._xqueues.get(key)
