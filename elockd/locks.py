@@ -122,12 +122,14 @@ class LockEngine:
         max_holds: int = 10_000,
         on_new_deadline: Callable[[], None] | None = None,
         on_hold_end: Callable[[bool, float], None] | None = None,
+        on_wait_end: Callable[[bool, float], None] | None = None,
     ) -> None:
         """``first_token`` seeds the fencing-token counter (the server passes the wall
         clock in nanoseconds, so tokens keep increasing across restarts).
         ``on_new_deadline`` is called when the earliest deadline moves earlier, so a
         timer task can re-arm; ``on_hold_end(shared, seconds)`` feeds hold-time
-        histograms."""
+        histograms and ``on_wait_end(shared, seconds)`` wait-time histograms (called
+        once per request that waited, however its wait ended)."""
         self.sessions: dict[str, Session] = {}
         self.exclusive: dict[bytes, Hold] = {}
         self.shared: dict[bytes, dict[Session, Hold]] = {}
@@ -140,6 +142,7 @@ class LockEngine:
         self.max_holds = max_holds
         self.on_new_deadline = on_new_deadline
         self.on_hold_end = on_hold_end
+        self.on_wait_end = on_wait_end
         # Counters read by `q`, `stats` and /metrics.
         self.orphans = 0
         self.shared_orphans = 0
@@ -147,6 +150,10 @@ class LockEngine:
         self.timeouts = 0
         self.waiting = 0
         self.leases = 0
+        # Kept as ints on the existing paths so /metrics reads them in O(1): counting
+        # them at scrape time would walk every shared key or every session.
+        self.shared_holders = 0
+        self.sessions_in_grace = 0
 
     # ---------------------------------------------------------------- sessions
 
@@ -162,6 +169,8 @@ class LockEngine:
         for waiter in list(session.waiters):
             self.cancel(waiter, now)
         if session.grace > 0:
+            if session.grace_deadline is None:
+                self.sessions_in_grace += 1
             session.grace_deadline = now + session.grace
             self._schedule(session.grace_deadline, session)
         else:
@@ -174,6 +183,8 @@ class LockEngine:
         if target is None or target.connected or not current.is_empty():
             return None
         target.connected = True
+        if target.grace_deadline is not None:
+            self.sessions_in_grace -= 1
         target.grace_deadline = None  # its heap entry goes stale
         target.peer = current.peer
         if current.name is not None:
@@ -183,6 +194,8 @@ class LockEngine:
         return target
 
     def _end_grace(self, session: Session, now: float) -> None:
+        if session.grace_deadline is not None:
+            self.sessions_in_grace -= 1
         session.grace_deadline = None
         for hold in [h for h in session.exclusive.values() if h.lease_deadline is None]:
             self.orphans += 1
@@ -327,7 +340,10 @@ class LockEngine:
         holders = self.shared.get(key)
         if holders is None:
             self.shared[key] = {session: hold}
+            self.shared_holders += 1
         else:
+            if session not in holders:
+                self.shared_holders += 1
             holders[session] = hold
         session.shared[key] = hold
         if ttl is not None:
@@ -390,6 +406,7 @@ class LockEngine:
         if hold.shared:
             holders = self.shared[key]
             del holders[session]
+            self.shared_holders -= 1
             if not holders:
                 del self.shared[key]
             del session.shared[key]
@@ -457,6 +474,8 @@ class LockEngine:
         waiter.state = GRANTED
         waiter.session.waiters.discard(waiter)
         self.waiting -= 1
+        if self.on_wait_end is not None:
+            self.on_wait_end(waiter.shared, now - waiter.since)
         if waiter.ttl is not None:
             table = waiter.session.shared if waiter.shared else waiter.session.exclusive
             for key in waiter.keys:
@@ -472,6 +491,8 @@ class LockEngine:
         waiter.state = CANCELLED
         waiter.session.waiters.discard(waiter)
         self.waiting -= 1
+        if self.on_wait_end is not None:
+            self.on_wait_end(waiter.shared, now - waiter.since)
         if timed_out:
             self.timeouts += 1
         queues = self._squeues if waiter.shared else self._xqueues

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from elockd.config import Config
 from elockd.locks import LockEngine, TooManyHolds, Waiter
 from elockd.replies import STYLES, TerseReplies
-from elockd.stats import Counters, snapshot
+from elockd.stats import Counters, Timings, snapshot
 
 LINE_TOO_LONG = b"0 Line Too Long\r\n"
 TERSE_AUTH_REQUIRED = b"0 Auth Required\r\n"
@@ -80,6 +80,13 @@ class Service:
         self.word_verbs = WORD_VERBS
         self.replies: TerseReplies = STYLES[config.replies]
         self.counters = Counters(list(COMMANDS))
+        # Wait and hold times for /metrics, fed by the engine's hooks (unless the
+        # caller wired its own).
+        self.timings = Timings()
+        if engine.on_wait_end is None:
+            engine.on_wait_end = self.timings.wait_ended
+        if engine.on_hold_end is None:
+            engine.on_hold_end = self.timings.hold_ended
         self.connections: set[Connection] = set()
         self.auth_token = auth_token
         # Before `auth` succeeds a connection dispatches through this table, where

@@ -20,13 +20,14 @@ import socket
 import ssl
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
 from elockd.config import Config
 from elockd.framing import LineReader
 from elockd.locks import LockEngine
+from elockd.metrics import serve_metrics
 from elockd.protocol import Connection, Pending, Service
 from elockd.transport import SocketTransport, StreamTransport, Transport
 
@@ -34,6 +35,11 @@ log = logging.getLogger("elockd")
 
 TOO_MANY_CONNECTIONS = b"0 Too Many Connections\r\n"
 LISTEN_BACKLOG = 4096
+#: Replies of one received chunk are sent once they reach this many bytes, not only
+#: at the end of the chunk. A 64 KiB chunk of ``d\n`` is 32,768 dumps: buffering
+#: all their replies before one write would cost gigabytes and stall every other
+#: connection; flushing (and yielding) at this size bounds both.
+REPLY_FLUSH_BYTES = 65536
 
 
 def peer_name(address: object) -> bytes:
@@ -61,6 +67,7 @@ async def serve_connection(service: Service, transport: Transport, peer: bytes) 
                 break
             now = trio.current_time()
             replies: list[bytes] = []
+            buffered = 0
             for line in reader.feed(data):
                 reply = conn.handle(line, now)
                 if type(reply) is not bytes:
@@ -76,6 +83,15 @@ async def serve_connection(service: Service, transport: Transport, peer: bytes) 
                 replies.append(reply)
                 if conn.closing:
                     break
+                buffered += len(reply)
+                if buffered >= REPLY_FLUSH_BYTES:
+                    # Backpressure from a client that does not read starts here, and
+                    # the checkpoint lets other connections run between batches.
+                    await transport.send(b"".join(replies))
+                    replies.clear()
+                    buffered = 0
+                    await trio.lowlevel.checkpoint()
+                    now = trio.current_time()
             if replies:
                 await transport.send(b"".join(replies))
     except trio.BrokenResourceError:
@@ -178,14 +194,40 @@ def tune_accepted(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
+class ConnectionSlots:
+    """Connections counted from accept to the end of their task, across listeners.
+
+    ``--max-connections`` is checked against this, not against the connections
+    the protocol layer counts: the accept loop takes every pending connection of a
+    burst before any new task runs (so that count would still be stale), and a TLS
+    connection exists for up to ``--handshake-timeout`` before its session does.
+    """
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    async def run(self, serve: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Run one connection's task; its slot is free again when it ends."""
+        try:
+            await serve(*args)
+        finally:
+            self.used -= 1
+
+
 async def accept_loop(
     service: Service,
     listener: socket.socket,
     nursery: trio.Nursery,
     tls: ssl.SSLContext | None = None,
+    slots: ConnectionSlots | None = None,
 ) -> None:
-    """Accept every pending connection, one task each; refuse those over the limit."""
-    limit = service.config.max_connections
+    """Accept every pending connection, one task each; refuse those over the limit.
+    Listeners that share a limit share ``slots``."""
+    if slots is None:
+        slots = ConnectionSlots(service.config.max_connections)
     send_timeout = service.config.send_timeout
     while True:
         await trio.lowlevel.wait_readable(listener)
@@ -202,15 +244,18 @@ async def accept_loop(
                 if error.errno in (errno.ECONNABORTED, errno.EPROTO):
                     continue
                 raise
-            if service.counters.connections >= limit:
+            if slots.used >= slots.limit:
                 refuse(sock)
                 continue
+            slots.used += 1
             tune_accepted(sock)
             if tls is None:
                 transport = SocketTransport(sock, send_timeout)
-                nursery.start_soon(serve_connection, service, transport, peer_name(address))
+                nursery.start_soon(
+                    slots.run, serve_connection, service, transport, peer_name(address)
+                )
             else:
-                nursery.start_soon(serve_tls, service, sock, tls, peer_name(address))
+                nursery.start_soon(slots.run, serve_tls, service, sock, tls, peer_name(address))
 
 
 def refuse(sock: socket.socket) -> None:
@@ -312,10 +357,17 @@ async def serve(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(timer.run)
+            if config.metrics_port:
+                # In this nursery, so the scrape reads the tables in this trio run.
+                host, port = await nursery.start(
+                    serve_metrics, service, config.metrics_host, config.metrics_port
+                )
+                log.info("elockd metrics on http://%s/metrics", describe((host, port)))
+            slots = ConnectionSlots(config.max_connections)  # one limit for all listeners
             for index, listener in enumerate(listeners):
                 # TLS protects the TCP port; the Unix socket is guarded by file modes.
                 listener_tls = tls if index < tcp_listeners else None
-                nursery.start_soon(accept_loop, service, listener, nursery, listener_tls)
+                nursery.start_soon(accept_loop, service, listener, nursery, listener_tls, slots)
             log.info("elockd listening on %s", ", ".join(describe(a) for a in addresses))
             task_status.started(addresses)
     finally:

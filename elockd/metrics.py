@@ -1,0 +1,243 @@
+"""Prometheus ``/metrics`` and ``/healthz`` over HTTP, inside the server's trio run.
+
+Why it looks like this:
+
+* The numbers are read from the engine and the connection counters *at scrape
+  time* by a custom collector (:class:`ElockdCollector`), so nothing is kept twice
+  and the hot path pays nothing but the plain int increments it already does.
+* Every value the collector reads is an int kept up to date on the existing paths
+  (``len()`` of a table, engine counters, :class:`~elockd.stats.Buckets`): a scrape
+  costs the same with a million locks held as with none. No per-lock work, ever.
+* HTTP is hypercorn's trio worker serving prometheus-client's ASGI app, in the same
+  trio run as the lock tables: no thread ever touches them, and no HTTP parser is
+  written here.
+* The collector lives on its own :class:`~prometheus_client.CollectorRegistry`,
+  never the process-global one, so tests can run many servers in one process.
+
+Names follow the Prometheus conventions (``elockd_`` prefix, ``_total`` on
+counters, seconds); docs/monitoring.md maps each one to its ``q`` counter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.typing import ASGIFramework
+from prometheus_client import CollectorRegistry, ProcessCollector, make_asgi_app
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from elockd.protocol import Service
+from elockd.stats import Buckets
+
+log = logging.getLogger("elockd")
+
+#: hypercorn's own log ("Running on …", per-connection errors) goes here, at
+#: WARNING: elockd logs the metrics address itself, and access logs stay off.
+http_log = logging.getLogger("elockd.http")
+http_log.setLevel(logging.WARNING)
+
+KINDS = ("exclusive", "shared")  # index = the engine's ``shared`` flag
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class ElockdCollector(Collector):
+    """Every elockd metric, read from the service when Prometheus scrapes."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def describe(self) -> Iterable[Metric]:
+        # Registering must not collect (the registry would otherwise call
+        # collect() to learn the names); our names never clash on our own registry.
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        engine = self.service.engine
+        counters = self.service.counters
+        timings = self.service.timings
+
+        yield GaugeMetricFamily(
+            "elockd_connections", "Client connections open now.", value=counters.connections
+        )
+        yield GaugeMetricFamily(
+            "elockd_sessions",
+            "Sessions tracked, with or without a connection (q: sessions).",
+            value=len(engine.sessions),
+        )
+        yield GaugeMetricFamily(
+            "elockd_sessions_in_grace",
+            "Sessions whose connection dropped and whose grace time (set_timeout) runs.",
+            value=engine.sessions_in_grace,
+        )
+        keys = GaugeMetricFamily(
+            "elockd_keys",
+            "Keys held now, per table (q: locks, shared_locks).",
+            labels=["kind"],
+        )
+        keys.add_metric(["exclusive"], len(engine.exclusive))
+        keys.add_metric(["shared"], len(engine.shared))
+        yield keys
+        holders = GaugeMetricFamily(
+            "elockd_holders",
+            "Holds now, per table: one per key for exclusive, every holder for shared.",
+            labels=["kind"],
+        )
+        holders.add_metric(["exclusive"], len(engine.exclusive))
+        holders.add_metric(["shared"], engine.shared_holders)
+        yield holders
+        yield GaugeMetricFamily(
+            "elockd_waiters", "Requests waiting for a grant now (q: waiting).", value=engine.waiting
+        )
+        yield GaugeMetricFamily(
+            "elockd_leases", "Holds that carry a lease (ttl) now (q: leases).", value=engine.leases
+        )
+        yield CounterMetricFamily(
+            "elockd_leases_expired",
+            "Leases freed at their deadline (q: expired).",
+            value=engine.expired,
+        )
+        yield CounterMetricFamily(
+            "elockd_wait_timeouts",
+            "Waits that ended without a grant: 409 replies (q: timeouts).",
+            value=engine.timeouts,
+        )
+        orphans = CounterMetricFamily(
+            "elockd_orphans",
+            "Holds freed because their session ended without releasing them "
+            "(q: orphans, shared_orphans).",
+            labels=["kind"],
+        )
+        orphans.add_metric(["exclusive"], engine.orphans)
+        orphans.add_metric(["shared"], engine.shared_orphans)
+        yield orphans
+        yield CounterMetricFamily(
+            "elockd_invalid_commands",
+            "Requests with an unknown verb, or lines over --max-line (q: invalid_commands).",
+            value=counters.invalid_commands,
+        )
+        commands = CounterMetricFamily(
+            "elockd_commands",
+            "Requests per verb, both families (q: command_VERB).",
+            labels=["verb"],
+        )
+        for verb, count in counters.commands.items():
+            commands.add_metric([verb.decode("ascii")], count)
+        yield commands
+        yield histogram(
+            "elockd_wait_seconds",
+            "Time requests that waited spent waiting, granted or not.",
+            timings.wait,
+        )
+        yield histogram(
+            "elockd_hold_seconds",
+            "How long holds lasted, from grant to release, disconnect or expiry.",
+            timings.hold,
+        )
+
+
+def histogram(name: str, documentation: str, per_kind: list[Buckets]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=["kind"])
+    for kind, buckets in zip(KINDS, per_kind, strict=True):
+        family.add_metric([kind], buckets.cumulative(), buckets.sum)
+    return family
+
+
+def make_registry(service: Service) -> CollectorRegistry:
+    """A registry of its own: elockd's metrics plus the standard ``process_*`` ones
+    (CPU, memory, open file descriptors: connections are descriptors)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ElockdCollector(service))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def make_app(registry: CollectorRegistry) -> App:
+    """``/metrics`` (prometheus-client's ASGI app), ``/healthz``, and 404 elsewhere.
+
+    It also answers the ASGI lifespan protocol, which prometheus-client's app does
+    not, so hypercorn starts without complaining.
+    """
+    metrics = cast(App, make_asgi_app(registry))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await respond(send, 405, b"method not allowed\n", [(b"allow", b"GET, HEAD")])
+        elif scope["path"] == "/metrics":
+            await metrics(scope, receive, send)
+        elif scope["path"] == "/healthz":
+            # Answering at all proves the trio run (and so the lock server) is alive.
+            await respond(send, 200, b"ok\n")
+        else:
+            await respond(send, 404, b"not found: try /metrics or /healthz\n")
+
+    return app
+
+
+async def respond(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain; charset=utf-8"), *(headers or [])],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve_metrics(
+    service: Service,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``/metrics`` and ``/healthz`` on ``host:port`` until cancelled.
+
+    ``port`` 0 takes any free port; ``task_status`` reports the bound address.
+    Cancellation (server shutdown) is the only way it ends: hypercorn's graceful
+    shutdown has nothing to finish that a scraper would miss.
+    """
+    config = HypercornConfig()
+    config.bind = [bind_address(host, port)]
+    config.accesslog = None
+    config.errorlog = http_log
+    config.include_server_header = False
+    app = cast(ASGIFramework, make_app(make_registry(service)))
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(hypercorn_serve, app, config)
+        bound = urlsplit(binds[0])
+        assert bound.hostname is not None and bound.port is not None
+        task_status.started((bound.hostname, bound.port))
