@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 9999
 METRICS_PORT ?= 9998
 
-.PHONY: run test lint clean
+.PHONY: run test lint clean stress
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ lint: $(VENV)/.installed-test
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The safety checker (tests/safety.py) for longer than `make test` runs it:
+# many clients in several processes, random SIGKILLs, every grant checked.
+STRESS_SECONDS ?= 60
+stress: $(VENV)/.installed-test
+	STRESS_SECONDS=$(STRESS_SECONDS) $(BIN)/python -m pytest -q -s tests/test_safety.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

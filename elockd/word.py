@@ -152,9 +152,12 @@ def _limit(args: Args) -> int | None:
     value = args.options.get(b"limit")
     if value is None:
         return None
-    if not value.isdigit() or int(value) < 1:
+    digits = value.lstrip(b"0")
+    if not value.isdigit() or not digits:
         raise BadRequest("limit must be a whole number above 0")
-    return int(value)
+    # int() refuses more than 4,300 digits (reachable with a large --max-line), and
+    # its ValueError would end the server; no holder count reaches 10**18 anyway.
+    return int(digits) if len(digits) <= 18 else 10**18
 
 
 _SHARED_OPTIONS = frozenset({b"limit", b"ttl"})
