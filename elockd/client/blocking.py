@@ -1,0 +1,470 @@
+"""The blocking client: :class:`BlockingClient` and :class:`BlockingRateLimiter`.
+
+The same API as the trio client, on plain sockets. One background thread owns the
+socket: it writes queued requests, reads replies into the sans-IO
+:class:`ClientCore`, renews leases and enforces reply deadlines. Calling threads
+queue requests under a lock and wait on a ``threading.Event``, so several threads
+can share one client and their requests are pipelined. Owning the socket in one
+thread also keeps TLS safe: an ``SSLSocket`` is never read and written at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from elockd.client import core
+from elockd.client.core import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_REPLY_TIMEOUT,
+    ClientCore,
+    Hold,
+    KeyLike,
+    LockInfo,
+    Operation,
+)
+from elockd.client.errors import ConnectFailed, ConnectionLost, ElockError
+
+log = logging.getLogger("elockd.client")
+T = TypeVar("T")
+OnLost = Callable[[Hold], object] | None
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+class BlockingClient:
+    """An elockd connection for ordinary (threaded) code.
+
+    ::
+
+        with BlockingClient("127.0.0.1", 9999) as client:
+            with client.lock("nightly-backup", wait=10, ttl=30) as hold:
+                backup(fencing_token=hold.token)
+
+    Lease renewal runs in the client's I/O thread; ``on_lost`` callbacks run there
+    too, so they must be quick and must not wait for this client.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 9999,
+        *,
+        unix: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        auth_token: str | bytes | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
+    ) -> None:
+        self.host, self.port, self.unix = host, port, unix
+        self.ssl_context = ssl_context
+        self.server_hostname = server_hostname
+        self.auth_token = auth_token
+        self.connect_timeout = connect_timeout
+        self.core = ClientCore(threading.Event, reply_timeout)
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> BlockingClient:
+        self.connect()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        """Connect, start the I/O thread, authenticate."""
+        try:
+            sock = self._open_socket()
+        except (OSError, ssl.SSLError) as error:
+            self._close_wakeup()
+            raise ConnectFailed(f"cannot connect to {self._where()}: {error!r}") from error
+        sock.setblocking(False)
+        self._sock = sock
+        self._thread = threading.Thread(
+            target=self._io_loop, name=f"elockd-client {self._where()}", daemon=True
+        )
+        self._thread.start()
+        if self.auth_token is not None:
+            line = core.auth_line(self.auth_token)
+            try:
+                self._run(lambda now: self.core.simple(line, now, core.parse_ok(b"200 OK")))
+            except BaseException:
+                self.close(release=False)
+                raise
+
+    def _open_socket(self) -> socket.socket:
+        sock: socket.socket
+        if self.unix is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.connect_timeout)
+            try:
+                sock.connect(self.unix)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((self.host, self.port), self.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.ssl_context is not None:
+            try:  # the handshake runs under the connect timeout set above
+                sock = self.ssl_context.wrap_socket(
+                    sock, server_hostname=self.server_hostname or self.host
+                )
+            except BaseException:
+                sock.close()
+                raise
+        return sock
+
+    def _where(self) -> str:
+        return f"unix:{self.unix}" if self.unix else f"{self.host}:{self.port}"
+
+    def close(self, *, release: bool = True) -> None:
+        """Close the connection; with ``release`` first free everything the session
+        holds, leases included (see the trio client's ``aclose``)."""
+        if self._thread is None:
+            return
+        with self._lock:
+            self.core.close_holds("the client was closed", self._now())
+        if self.core.error is None:
+            lines = [b"unlock_all", b"quit"] if release else [b"quit"]
+            with contextlib.suppress(ElockError):
+                for line in lines:
+                    self._run(self._simple(line, core.parse_lines))
+        with self._lock:
+            self.core.fail(ConnectionLost("the client was closed"), self._now())
+            self._stop = True
+        self._wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.core.reply_timeout)
+        self._thread = None
+        self._fire_lost()
+
+    def _close_wakeup(self) -> None:
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ------------------------------------------------------------ the I/O thread
+
+    def _io_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        selector = selectors.DefaultSelector()
+        selector.register(sock, selectors.EVENT_READ)
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        out = b""
+        try:
+            while True:
+                with self._lock:
+                    if self._stop:
+                        return
+                    out += self.core.data_to_send()
+                    when = self.core.next_timer()
+                events = selectors.EVENT_READ | (selectors.EVENT_WRITE if out else 0)
+                selector.modify(sock, events)
+                timeout = None if when is None else max(0.0, when - self._now())
+                for key, mask in selector.select(timeout):
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(*_WOULD_BLOCK):
+                            while self._wake_r.recv(4096):
+                                pass
+                    elif mask & selectors.EVENT_WRITE and out:
+                        out = self._send(sock, out)
+                if out:  # TLS may have room without the socket saying so
+                    out = self._send(sock, out)
+                self._receive(sock)
+                with self._lock:
+                    self.core.tick(self._now())
+                    failed = self.core.error is not None
+                self._fire_lost()
+                if failed:
+                    return
+        except (OSError, ConnectionLost) as error:
+            with self._lock:
+                lost = error if isinstance(error, ConnectionLost) else None
+                self.core.fail(
+                    lost or ConnectionLost(f"connection to {self._where()}: {error!r}"),
+                    self._now(),
+                )
+            self._fire_lost()
+        finally:
+            selector.close()
+            sock.close()
+            self._close_wakeup()
+
+    @staticmethod
+    def _send(sock: socket.socket, out: bytes) -> bytes:
+        try:
+            sent = sock.send(out)
+        except _WOULD_BLOCK:
+            return out
+        return out[sent:]
+
+    def _receive(self, sock: socket.socket) -> None:
+        """Read everything available (kernel and TLS buffers) into the core."""
+        while True:
+            try:
+                data = sock.recv(65536)
+            except _WOULD_BLOCK:
+                return
+            if not data:
+                raise ConnectionLost(f"{self._where()} closed the connection")
+            with self._lock:
+                self.core.receive(data, self._now())
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _fire_lost(self) -> None:
+        with self._lock:
+            lost = self.core.take_lost()
+        for hold in lost:
+            log.warning("lock %r lost: %s", hold.key, hold.lost_reason)
+            if hold.on_lost is not None:
+                try:
+                    hold.on_lost(hold)
+                except Exception:
+                    log.exception("on_lost callback of %r failed", hold.key)
+
+    @staticmethod
+    def _now() -> float:
+        return time.monotonic()
+
+    # ------------------------------------------------------------ running operations
+
+    def _simple(
+        self, line: bytes, parse: Callable[[core.Request], T]
+    ) -> Callable[[float], Operation[T]]:
+        return lambda now: self.core.simple(line, now, parse)
+
+    def _run(self, make: Callable[[float], Operation[T]]) -> T:
+        """Queue an operation, wait for its replies, finish it. If the wait is
+        interrupted (KeyboardInterrupt, an exception from a signal handler), the
+        operation's undo is queued before the exception goes on."""
+        if self._thread is None:
+            raise ConnectionLost("the client is not connected")
+        with self._lock:
+            op = make(self._now())
+        self._wake()
+        try:
+            for request in op.requests:
+                event: threading.Event = request.event  # type: ignore[assignment]
+                # The I/O thread fails the connection at the deadline; the extra
+                # second only guards against that thread having died.
+                if not event.wait(max(0.0, request.deadline - self._now()) + 1.0):
+                    with self._lock:
+                        self.core.fail(ConnectionLost("the client's I/O thread stopped"), 0.0)
+        except BaseException:
+            with self._lock:
+                op.abandon()
+            self._wake()
+            raise
+        try:
+            with self._lock:
+                return op.finish()
+        finally:
+            self._wake()  # a new hold means a new renewal timer
+            self._fire_lost()
+
+    # ------------------------------------------------------------ the API
+
+    def acquire(
+        self,
+        key: KeyLike,
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Hold:
+        """Take an exclusive lock; :class:`Unavailable` if not granted. Prefer :meth:`lock`."""
+        return self._run(lambda now: self.core.lock(key, now, wait, ttl, on_lost))
+
+    def acquire_shared(
+        self,
+        key: KeyLike,
+        limit: int | None = None,
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Hold:
+        """Take a shared hold (at most ``limit`` holders). Prefer :meth:`shared`."""
+        return self._run(lambda now: self.core.shared(key, now, limit, wait, ttl, on_lost))
+
+    def acquire_many(
+        self,
+        keys: Sequence[KeyLike],
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Hold:
+        """Take every key or none (``mlock``). Prefer :meth:`mlock`."""
+        return self._run(lambda now: self.core.mlock(keys, now, wait, ttl, on_lost))
+
+    def release(self, hold: Hold) -> None:
+        """Free a hold; :class:`LockLost` if it had been lost."""
+        self._run(lambda now: self.core.release(hold, now))
+
+    @contextlib.contextmanager
+    def lock(
+        self,
+        key: KeyLike,
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Iterator[Hold]:
+        """``with client.lock(key) as hold:`` — an exclusive lock for the block."""
+        hold = self.acquire(key, wait, ttl, on_lost)
+        with self._holding(hold):
+            yield hold
+
+    @contextlib.contextmanager
+    def shared(
+        self,
+        key: KeyLike,
+        limit: int | None = None,
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Iterator[Hold]:
+        """``with client.shared(key, limit=5) as hold:`` — one of at most ``limit``."""
+        hold = self.acquire_shared(key, limit, wait, ttl, on_lost)
+        with self._holding(hold):
+            yield hold
+
+    @contextlib.contextmanager
+    def mlock(
+        self,
+        keys: Sequence[KeyLike],
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Iterator[Hold]:
+        """``with client.mlock(["a", "b"]) as hold:`` — all keys or none."""
+        hold = self.acquire_many(keys, wait, ttl, on_lost)
+        with self._holding(hold):
+            yield hold
+
+    @contextlib.contextmanager
+    def _holding(self, hold: Hold) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(ElockError):
+                self.release(hold)
+            raise
+        self.release(hold)
+
+    def info(self, key: KeyLike) -> LockInfo:
+        line = b"info " + core.encode_key(key)
+        return self._run(lambda now: self.core.simple(line, now, core.parse_info))
+
+    def stats(self) -> dict[str, int]:
+        return self._run(lambda now: self.core.simple(b"stats", now, core.parse_stats))
+
+    def ping(self) -> float:
+        """Round trip time in seconds."""
+        start = self._now()
+        self._run(lambda now: self.core.simple(b"ping", now, core.parse_ok(b"200 PONG")))
+        return self._now() - start
+
+    def session_id(self) -> str:
+        reply = self._run(lambda now: self.core.simple(b"conn_id", now, core.parse_word))
+        return reply.decode()
+
+    def resume(self, session_id: str) -> bool:
+        """Take over a disconnected session (see the trio client's ``resume``)."""
+        line = b"conn_id " + core.encode_key(session_id)
+        return self._run(lambda now: self.core.simple(line, now, core.parse_resume))
+
+    def set_grace(self, seconds: float) -> None:
+        line = b"set_timeout " + core.number(seconds * 1000, "grace")
+        self._run(lambda now: self.core.simple(line, now, core.parse_ok(b"200 timeout set")))
+
+    def command(self, line: str | bytes) -> list[bytes]:
+        """Send any one request line; its reply lines (``END`` dropped)."""
+        raw = core.raw_line(line)
+        return self._run(lambda now: self.core.simple(raw, now, core.parse_lines))
+
+    @property
+    def holds(self) -> list[Hold]:
+        with self._lock:
+            return list(dict.fromkeys(self.core.holds.values()))
+
+
+class BlockingRateLimiter:
+    """:class:`elockd.client.RateLimiter` for threads: at most ``limit`` concurrent
+    holders of ``key`` everywhere; each slot uses a pooled connection of its own.
+
+    ::
+
+        limiter = BlockingRateLimiter("partner-api", 5, host="locks.internal")
+        with limiter.slot():
+            call_partner_api()
+    """
+
+    def __init__(
+        self,
+        key: KeyLike,
+        limit: int,
+        *,
+        wait: float | None = 60.0,
+        ttl: float | None = None,
+        **client_options: Any,
+    ) -> None:
+        core.encode_key(key)
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        self.key, self.limit, self.wait, self.ttl = key, limit, wait, ttl
+        self.client_options = client_options
+        self._idle: list[BlockingClient] = []
+        self._pool_lock = threading.Lock()
+
+    def __enter__(self) -> BlockingRateLimiter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._pool_lock:
+            idle, self._idle = self._idle, []
+        for client in idle:
+            client.close()
+
+    @contextlib.contextmanager
+    def slot(self, on_lost: OnLost = None) -> Iterator[Hold]:
+        """Hold one of the ``limit`` slots for the block (waits up to ``wait``)."""
+        with self._pool_lock:
+            client = self._idle.pop() if self._idle else None
+        if client is None or client.core.error is not None:
+            client = BlockingClient(**self.client_options)
+            client.connect()
+        try:
+            with client.shared(self.key, self.limit, self.wait, self.ttl, on_lost) as hold:
+                yield hold
+        finally:
+            if client.core.error is None:
+                with self._pool_lock:
+                    self._idle.append(client)
+            else:
+                client.close()

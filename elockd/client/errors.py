@@ -1,0 +1,70 @@
+"""What the client raises. Everything derives from :class:`ElockError`, so one
+``except ElockError`` catches every failure that came from the lock service."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elockd.client.core import Hold
+
+
+class ElockError(Exception):
+    """Base class of every client error."""
+
+
+class ConnectionLost(ElockError):
+    """The connection is gone (or was never made): nothing sent on it can be trusted
+    any more, and every hold it carried is reported lost."""
+
+
+class ConnectFailed(ConnectionLost):
+    """Connecting (TCP, TLS handshake, ``auth``) failed or took longer than the
+    connect timeout."""
+
+
+class ReplyTimeout(ConnectionLost):
+    """A reply did not come within its deadline. Replies come in request order, so
+    the connection cannot skip a late one: it is closed instead of hanging."""
+
+
+class RequestError(ElockError):
+    """The server refused a request (``400``, ``413``, ``0 …``) or said something the
+    client did not expect. ``reply`` is the reply line."""
+
+    def __init__(self, message: str, reply: bytes = b"") -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+class AuthError(RequestError):
+    """``auth`` was refused, or the server demands it and no token was given."""
+
+
+class KeyBusy(ElockError):
+    """This client already holds (or is acquiring) the key. A session holds a key at
+    most once, so a second hold on the same connection would silently be the same
+    hold; use a second client for a second holder."""
+
+
+class Unavailable(ElockError):
+    """The lock was not granted within ``wait`` (``409``). For a shared lock
+    ``holders`` is the number of holders; for ``mlock`` ``keys`` lists the keys held
+    by others."""
+
+    def __init__(
+        self, message: str, *, holders: int | None = None, keys: tuple[bytes, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.holders = holders
+        self.keys = keys
+
+
+class LockLost(ElockError):
+    """The hold ended while it was believed held: a renewal failed, the lease ran out,
+    or the connection dropped. Whatever the hold protected may have run concurrently
+    with another holder since ``hold.lost_at``."""
+
+    def __init__(self, message: str, hold: Hold | None = None) -> None:
+        super().__init__(message)
+        self.hold = hold

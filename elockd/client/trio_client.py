@@ -1,0 +1,465 @@
+"""The trio client: :class:`Client` and :class:`RateLimiter`.
+
+Three background tasks per connection drive the sans-IO :class:`ClientCore`: a
+reader (replies to waiting requests), a writer (drains the output buffer) and a
+timer (lease renewals and reply deadlines). Caller tasks only queue requests and
+wait for their events, so any number of tasks can share one client and their
+requests are pipelined on the one connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import ssl
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import TracebackType
+from typing import Any, TypeVar
+
+import trio
+
+from elockd.client import core
+from elockd.client.core import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_REPLY_TIMEOUT,
+    ClientCore,
+    Hold,
+    KeyLike,
+    LockInfo,
+    Operation,
+)
+from elockd.client.errors import ConnectFailed, ConnectionLost, ElockError
+
+log = logging.getLogger("elockd.client")
+T = TypeVar("T")
+OnLost = Callable[[Hold], object] | None
+
+
+class Client:
+    """An elockd connection for trio code.
+
+    ::
+
+        async with Client("127.0.0.1", 9999) as client:
+            async with client.lock("nightly-backup", wait=10, ttl=30) as hold:
+                await backup(fencing_token=hold.token)
+
+    ``ssl_context`` turns on TLS (add a client certificate to it for mutual TLS);
+    ``auth_token`` is sent first when the server demands ``auth``. Every reply must
+    come within ``reply_timeout`` seconds (plus the wait the request asked for), or
+    the connection is closed with :class:`ReplyTimeout` rather than hang.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 9999,
+        *,
+        unix: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        auth_token: str | bytes | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
+    ) -> None:
+        self.host, self.port, self.unix = host, port, unix
+        self.ssl_context = ssl_context
+        self.server_hostname = server_hostname
+        self.auth_token = auth_token
+        self.connect_timeout = connect_timeout
+        self.core = ClientCore(trio.Event, reply_timeout)
+        self._stream: trio.abc.Stream | None = None
+        self._scopes: list[trio.CancelScope] = []
+        self._send_ready = trio.Event()
+        self._timer_changed = trio.Event()
+        self._exit_stack: AsyncExitStack | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Client:
+        stack = AsyncExitStack()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        try:
+            await self.start(nursery)
+        except BaseException:
+            nursery.cancel_scope.cancel()
+            await stack.aclose()
+            raise
+        self._exit_stack = stack
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            await self.aclose()
+        finally:
+            if self._exit_stack is not None:
+                await self._exit_stack.__aexit__(kind, error, traceback)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Connect, run the background tasks in ``nursery``, authenticate. Use this
+        instead of ``async with`` when the client must outlive the calling task."""
+        try:
+            with trio.fail_after(self.connect_timeout):
+                self._stream = await self._open_stream()
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError) as error:
+            raise ConnectFailed(f"cannot connect to {self._where()}: {error!r}") from error
+        for task in (self._reader, self._writer, self._timer):
+            scope = trio.CancelScope()
+            self._scopes.append(scope)
+            nursery.start_soon(self._guarded, task, scope)
+        if self.auth_token is not None:
+            line = core.auth_line(self.auth_token)
+            try:
+                await self._run(
+                    self.core.simple(line, self._now(), core.parse_ok(b"200 OK")),
+                    limit=self.connect_timeout,
+                )
+            except BaseException:
+                await self.aclose(release=False)
+                raise
+
+    async def _open_stream(self) -> trio.abc.Stream:
+        stream: trio.abc.Stream
+        if self.unix is not None:
+            stream = await trio.open_unix_socket(self.unix)
+        else:
+            stream = await trio.open_tcp_stream(self.host, self.port)
+        if self.ssl_context is not None:
+            tls = trio.SSLStream(
+                stream, self.ssl_context, server_hostname=self.server_hostname or self.host
+            )
+            try:
+                await tls.do_handshake()
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+            stream = tls
+        return stream
+
+    def _where(self) -> str:
+        return f"unix:{self.unix}" if self.unix else f"{self.host}:{self.port}"
+
+    async def aclose(self, *, release: bool = True) -> None:
+        """Close the connection. With ``release`` (the default) the server is first
+        told to free everything this session holds, leases included; without it
+        only plain holds are freed (by the disconnect) and leases stay for a
+        :meth:`resume` until they run out."""
+        if self._stream is None:
+            return
+        # Holds still open are over either way; say so before the server's EOF does.
+        self.core.close_holds("the client was closed", self._now())
+        if self.core.error is None:
+            with trio.move_on_after(self.core.reply_timeout) as scope:
+                scope.shield = True
+                lines = [b"unlock_all", b"quit"] if release else [b"quit"]
+                requests = [self.core.submit(line, self._now()) for line in lines]
+                self._send_ready.set()
+                for request in requests:
+                    await request.event.wait()  # type: ignore[attr-defined]
+        self.core.fail(ConnectionLost("the client was closed"), self._now())
+        self._fire_lost()
+        for scope in self._scopes:
+            scope.cancel()
+        stream, self._stream = self._stream, None
+        await trio.aclose_forcefully(stream)
+
+    # ------------------------------------------------------------ background tasks
+
+    async def _guarded(self, task: Callable[[], Any], scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                await task()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+                self._lose_connection(ConnectionLost(f"connection to {self._where()}: {error}"))
+
+    async def _reader(self) -> None:
+        assert self._stream is not None
+        while True:
+            data = await self._stream.receive_some(65536)
+            if not data:
+                self._lose_connection(ConnectionLost(f"{self._where()} closed the connection"))
+                return
+            self.core.receive(bytes(data), self._now())
+            self._after()
+
+    async def _writer(self) -> None:
+        assert self._stream is not None
+        while True:
+            data = self.core.data_to_send()
+            if not data:
+                self._send_ready = trio.Event()
+                await self._send_ready.wait()
+                continue
+            await self._stream.send_all(data)
+
+    async def _timer(self) -> None:
+        while True:
+            self._timer_changed = trio.Event()
+            when = self.core.next_timer()
+            with trio.move_on_at(math.inf if when is None else when):
+                await self._timer_changed.wait()
+            self.core.tick(self._now())
+            self._after()
+            if self.core.error is not None:
+                await self._drop_stream()
+                return
+
+    def _lose_connection(self, error: ConnectionLost) -> None:
+        self.core.fail(error, self._now())
+        self._after()
+
+    async def _drop_stream(self) -> None:
+        """After a reply timeout: close the socket, so the server frees what it can."""
+        if self._stream is not None:
+            await trio.aclose_forcefully(self._stream)
+
+    def _after(self) -> None:
+        """After any change to the core: send what was queued, re-arm the timer,
+        tell lost holds' owners."""
+        self._send_ready.set()
+        self._timer_changed.set()
+        self._fire_lost()
+
+    def _fire_lost(self) -> None:
+        for hold in self.core.take_lost():
+            log.warning("lock %r lost: %s", hold.key, hold.lost_reason)
+            if hold.on_lost is not None:
+                try:
+                    hold.on_lost(hold)
+                except Exception:
+                    log.exception("on_lost callback of %r failed", hold.key)
+
+    @staticmethod
+    def _now() -> float:
+        return trio.current_time()
+
+    # ------------------------------------------------------------ running operations
+
+    async def _run(self, op: Operation[T], limit: float | None = None) -> T:
+        """Wait for an operation's replies. If this task is cancelled meanwhile, the
+        operation's undo (a release) is queued before the cancellation goes on."""
+        self._after()
+        try:
+            for request in op.requests:
+                with trio.fail_after(limit if limit is not None else math.inf):
+                    await request.event.wait()  # type: ignore[attr-defined]
+        except BaseException:
+            op.abandon()
+            self._after()
+            raise
+        try:
+            return op.finish()
+        finally:
+            self._after()
+
+    # ------------------------------------------------------------ the API
+
+    async def acquire(
+        self,
+        key: KeyLike,
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Hold:
+        """Take an exclusive lock (``wait`` seconds at most; None: try once) and
+        return its hold; :class:`Unavailable` if not granted. Prefer :meth:`lock`."""
+        return await self._run(self.core.lock(key, self._now(), wait, ttl, on_lost))
+
+    async def acquire_shared(
+        self,
+        key: KeyLike,
+        limit: int | None = None,
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Hold:
+        """Take a shared hold, at most ``limit`` holders at once. Prefer :meth:`shared`."""
+        return await self._run(self.core.shared(key, self._now(), limit, wait, ttl, on_lost))
+
+    async def acquire_many(
+        self,
+        keys: Sequence[KeyLike],
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> Hold:
+        """Take every key or none (``mlock``). Prefer :meth:`mlock`."""
+        return await self._run(self.core.mlock(keys, self._now(), wait, ttl, on_lost))
+
+    async def release(self, hold: Hold) -> None:
+        """Free a hold; :class:`LockLost` if it had been lost. The release is queued
+        before the first checkpoint, so even a cancelled release happens."""
+        await self._run(self.core.release(hold, self._now()))
+
+    @asynccontextmanager
+    async def lock(
+        self,
+        key: KeyLike,
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> AsyncIterator[Hold]:
+        """``async with client.lock(key) as hold:`` — an exclusive lock for the
+        block. With ``ttl`` the hold is a lease, renewed in the background."""
+        hold = await self.acquire(key, wait, ttl, on_lost)
+        async with self._holding(hold):
+            yield hold
+
+    @asynccontextmanager
+    async def shared(
+        self,
+        key: KeyLike,
+        limit: int | None = None,
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> AsyncIterator[Hold]:
+        """``async with client.shared(key, limit=5) as hold:`` — one of at most
+        ``limit`` holders of ``key`` for the block."""
+        hold = await self.acquire_shared(key, limit, wait, ttl, on_lost)
+        async with self._holding(hold):
+            yield hold
+
+    @asynccontextmanager
+    async def mlock(
+        self,
+        keys: Sequence[KeyLike],
+        wait: float | None = None,
+        ttl: float | None = None,
+        on_lost: OnLost = None,
+    ) -> AsyncIterator[Hold]:
+        """``async with client.mlock(["a", "b"]) as hold:`` — all keys, never a
+        deadlock; ``hold.tokens`` has each key's fencing token."""
+        hold = await self.acquire_many(keys, wait, ttl, on_lost)
+        async with self._holding(hold):
+            yield hold
+
+    @asynccontextmanager
+    async def _holding(self, hold: Hold) -> AsyncIterator[None]:
+        """Release on the way out. An exception from the block wins over
+        :class:`LockLost` (the flag and callback still report the loss)."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(ElockError):
+                await self.release(hold)
+            raise
+        await self.release(hold)
+
+    async def info(self, key: KeyLike) -> LockInfo:
+        line = b"info " + core.encode_key(key)
+        return await self._run(self.core.simple(line, self._now(), core.parse_info))
+
+    async def stats(self) -> dict[str, int]:
+        return await self._run(self.core.simple(b"stats", self._now(), core.parse_stats))
+
+    async def ping(self) -> float:
+        """Round trip time in seconds."""
+        start = self._now()
+        await self._run(self.core.simple(b"ping", start, core.parse_ok(b"200 PONG")))
+        return self._now() - start
+
+    async def session_id(self) -> str:
+        """This session's id (a secret): another connection can :meth:`resume` it."""
+        reply = await self._run(self.core.simple(b"conn_id", self._now(), core.parse_word))
+        return reply.decode()
+
+    async def resume(self, session_id: str) -> bool:
+        """Take over a session whose connection dropped (its leases, or holds kept by
+        a grace time). False if it is gone or this client holds something already.
+        Call :meth:`lock` again for a key the session holds to get a :class:`Hold`
+        for it: it is granted at once with the same token."""
+        line = b"conn_id " + core.encode_key(session_id)
+        return await self._run(self.core.simple(line, self._now(), core.parse_resume))
+
+    async def set_grace(self, seconds: float) -> None:
+        """Keep this session's plain holds ``seconds`` after a disconnect, for a
+        :meth:`resume` (``set_timeout``)."""
+        line = b"set_timeout " + core.number(seconds * 1000, "grace")
+        await self._run(self.core.simple(line, self._now(), core.parse_ok(b"200 timeout set")))
+
+    async def command(self, line: str | bytes) -> list[bytes]:
+        """Send any one request line and return its reply lines (``END`` dropped):
+        the escape hatch for terse verbs (``g``, ``si``, ``q``, ``d``…)."""
+        raw = core.raw_line(line)
+        return await self._run(self.core.simple(raw, self._now(), core.parse_lines))
+
+    @property
+    def holds(self) -> list[Hold]:
+        """Holds this client tracks now."""
+        return list(dict.fromkeys(self.core.holds.values()))
+
+
+class RateLimiter:
+    """At most ``limit`` concurrent holders of ``key``, across every process and
+    task that uses the same key and limit: "at most N workers hit this API".
+
+    Each slot is a shared hold on its own connection (a session holds a key once),
+    taken from a pool, so the tasks of one process count separately::
+
+        async with RateLimiter("partner-api", 5, wait=60) as limiter:
+            async with limiter.slot():
+                await call_partner_api()
+    """
+
+    def __init__(
+        self,
+        key: KeyLike,
+        limit: int,
+        *,
+        wait: float | None = 60.0,
+        ttl: float | None = None,
+        **client_options: Any,
+    ) -> None:
+        core.encode_key(key)
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        self.key, self.limit, self.wait, self.ttl = key, limit, wait, ttl
+        self.client_options = client_options
+        self._idle: list[Client] = []
+        self._all: list[Client] = []
+        self._nursery: trio.Nursery | None = None
+        self._stack: AsyncExitStack | None = None
+
+    async def __aenter__(self) -> RateLimiter:
+        self._stack = AsyncExitStack()
+        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for client in self._all:
+            with trio.CancelScope(shield=True):
+                await client.aclose()
+        self._all.clear()
+        self._idle.clear()
+        assert self._stack is not None
+        await self._stack.aclose()
+
+    @asynccontextmanager
+    async def slot(self, on_lost: OnLost = None) -> AsyncIterator[Hold]:
+        """Hold one of the ``limit`` slots for the block (waits up to ``wait``)."""
+        if self._nursery is None:
+            raise RuntimeError("use 'async with RateLimiter(...)' first")
+        client = self._idle.pop() if self._idle else None
+        if client is None or client.core.error is not None:
+            client = Client(**self.client_options)
+            await client.start(self._nursery)
+            self._all.append(client)
+        try:
+            async with client.shared(self.key, self.limit, self.wait, self.ttl, on_lost) as hold:
+                yield hold
+        finally:
+            # A cancelled or failed slot queued its release already: reusable.
+            if client.core.error is None:
+                self._idle.append(client)
+            else:
+                self._all.remove(client)
+                with trio.CancelScope(shield=True):
+                    await client.aclose()

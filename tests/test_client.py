@@ -1,0 +1,407 @@
+"""The trio client against a real server over TCP.
+
+Most tests run the server in-process with trio's MockClock, so waits, leases and
+timeouts are exact and instant; the two that the issue wants against a real process
+in real time (a killed connection, a 0.5 s lease kept alive for 3 s) spawn one.
+"""
+
+from __future__ import annotations
+
+import ssl
+import subprocess
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+import trustme
+
+from elockd.client import (
+    AuthError,
+    Client,
+    ConnectFailed,
+    Hold,
+    KeyBusy,
+    LockLost,
+    RateLimiter,
+    ReplyTimeout,
+    Unavailable,
+)
+from elockd.config import Config
+from elockd.server import make_service, serve
+from tests.conftest import RunningServer
+
+SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
+
+
+async def test_lock_token_contention_and_release(server: RunningServer) -> None:
+    async with Client(port=server.port) as a, Client(port=server.port) as b:
+        async with a.lock("job") as hold:
+            assert hold.held and hold.key == b"job" and not hold.shared
+            assert hold.token is not None and hold.token > 0
+            info = await b.info("job")
+            assert info.locked and info.token == hold.token and info.ttl is None
+            with pytest.raises(Unavailable):
+                await b.acquire("job")
+            first_token = hold.token
+        assert hold.released and not hold.lost
+        async with b.lock("job") as second:
+            assert second.token is not None and second.token > first_token
+        assert not (await a.info("job")).locked
+
+
+async def test_wait_is_granted_when_the_holder_releases(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with Client(port=server.port) as a, Client(port=server.port) as b:
+        hold = await a.acquire("k")
+        granted_at: list[float] = []
+
+        async def waiter() -> None:
+            async with b.lock("k", wait=10):
+                granted_at.append(trio.current_time())
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            await trio.sleep(2)
+            assert (await a.info("k")).waiting == 1
+            await a.release(hold)
+        assert granted_at == [pytest.approx(start + 2)]
+        with pytest.raises(Unavailable):  # and a wait that runs out raises
+            async with a.lock("k"), b.lock("k", wait=3):
+                pass
+        assert trio.current_time() == pytest.approx(start + 5)
+
+
+async def test_shared_limit(server: RunningServer, mock_clock: trio.testing.MockClock) -> None:
+    async with (
+        Client(port=server.port) as a,
+        Client(port=server.port) as b,
+        Client(port=server.port) as c,
+    ):
+        async with a.shared("api", limit=2) as first, b.shared("api", limit=2) as second:
+            assert (first.holders, second.holders) == (1, 2)
+            assert first.token is None
+            with pytest.raises(Unavailable) as refused:
+                await c.acquire_shared("api", limit=2, wait=1)
+            assert refused.value.holders == 2
+            assert (await c.info("api")).shared == 2
+        async with c.shared("api", limit=2) as third:
+            assert third.holders == 1
+
+
+async def test_mlock_all_or_nothing(server: RunningServer) -> None:
+    async with Client(port=server.port) as a, Client(port=server.port) as b:
+        async with a.mlock(["x", "y", "z"]) as hold:
+            assert hold.keys == (b"x", b"y", b"z")
+            assert set(hold.tokens) == {b"x", b"y", b"z"}
+            assert len(set(hold.tokens.values())) == 3
+            with pytest.raises(Unavailable) as refused:
+                await b.acquire_many(["w", "y"])
+            assert refused.value.keys == (b"y",)
+            assert not (await b.info("w")).locked  # nothing taken
+        async with b.mlock(["w", "y"]):
+            pass
+
+
+async def test_info_stats_ping_session_id_and_raw_commands(server: RunningServer) -> None:
+    async with Client(port=server.port) as client:
+        assert await client.ping() >= 0
+        session = await client.session_id()
+        assert len(session) >= 32 and int(session, 16) >= 0
+        stats = await client.stats()
+        assert stats["clients"] == 1 and stats["command_ping"] == 1
+        assert await client.command("g raw key") == [b"1 Got Lock"]
+        assert await client.command("d") == [b"raw key: 127.0.0.1:%d" % client_port(client)]
+        info = await client.info("nobody")
+        assert (info.owner, info.shared, info.waiting, info.token) == (None, 0, 0, None)
+
+
+def client_port(client: Client) -> int:
+    stream = client._stream
+    assert isinstance(stream, trio.SocketStream)
+    return int(stream.socket.getsockname()[1])
+
+
+async def test_requests_are_pipelined_on_one_connection(server: RunningServer) -> None:
+    async with Client(port=server.port) as client:
+        tokens: list[int] = []
+
+        async def worker(index: int) -> None:
+            for round_ in range(5):
+                async with client.lock(f"key-{index}-{round_}") as hold:
+                    assert hold.token is not None
+                    tokens.append(hold.token)
+                await client.ping()
+
+        async with trio.open_nursery() as nursery:
+            for index in range(50):
+                nursery.start_soon(worker, index)
+        assert len(set(tokens)) == 250
+        stats = await client.stats()
+        assert stats["clients"] == 1 and stats["command_lock"] == 250 and stats["locks"] == 0
+
+
+async def test_a_key_is_held_once_per_client(server: RunningServer) -> None:
+    async with Client(port=server.port) as client:
+        async with client.lock("once"):
+            with pytest.raises(KeyBusy):
+                await client.acquire("once")
+            with pytest.raises(KeyBusy):
+                await client.acquire_shared("once")
+            with pytest.raises(KeyBusy):
+                await client.acquire_many(["other", "once"])
+        with pytest.raises(ValueError):
+            await client.acquire("two words")
+
+
+async def test_lease_renews_itself(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with Client(port=server.port) as client, Client(port=server.port) as other:
+        async with client.lock("lease", ttl=3) as hold:
+            for _ in range(10):
+                await trio.sleep(3)
+                info = await other.info("lease")
+                assert info.token == hold.token and info.ttl is not None and info.ttl > 0
+            assert hold.renewals >= 25
+        assert server.service.snapshot()["expired"] == 0
+
+
+async def test_refused_renewal_reports_lock_lost(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    lost: list[Hold] = []
+    async with Client(port=server.port) as client:
+        with pytest.raises(LockLost, match="renewal refused"):
+            async with client.lock("lease", ttl=3, on_lost=lost.append) as hold:
+                # Free it behind the client's back, as an expiry would.
+                engine = server.service.engine
+                engine.release(engine.exclusive[b"lease"].session, b"lease", trio.current_time())
+                await trio.sleep(2)  # the renewal at 1 s gets 403 Not Locked
+                assert hold.lost and lost == [hold]
+        # An exception from the block wins over LockLost; the flag still tells.
+        with pytest.raises(ZeroDivisionError):
+            async with client.lock("other", ttl=3) as second:
+                engine.release(engine.exclusive[b"other"].session, b"other", trio.current_time())
+                await trio.sleep(2)
+                _ = 1 / 0
+        assert second.lost
+        assert await client.ping() >= 0  # the connection is fine
+
+
+async def test_lock_lost_when_the_connection_is_killed(spawn_server: SpawnServer) -> None:
+    process, port = spawn_server()
+    lost = trio.Event()
+    async with Client(port=port) as client:
+        with pytest.raises(LockLost, match="connection lost"):
+            async with client.lock("k", on_lost=lambda hold: lost.set()) as hold:
+                process.kill()
+                with trio.fail_after(5):
+                    await lost.wait()
+                assert hold.lost and not hold.held
+
+
+async def test_auto_renew_keeps_a_half_second_lease_alive_for_three_seconds(
+    spawn_server: SpawnServer,
+) -> None:
+    _, port = spawn_server()
+    async with Client(port=port) as client, Client(port=port) as observer:
+        async with client.lock("short-lease", ttl=0.5) as hold:
+            for _ in range(12):
+                await trio.sleep(0.25)
+                info = await observer.info("short-lease")
+                assert info.token == hold.token, "the lease ran out"
+            assert hold.renewals >= 12
+        stats = await observer.stats()
+        assert stats["expired"] == 0 and stats["command_renew"] >= 12
+
+
+async def test_cancelled_wait_never_leaves_a_hold(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with (
+        Client(port=server.port) as holder,
+        Client(port=server.port) as waiter,
+        Client(port=server.port) as observer,
+    ):
+        hold = await holder.acquire("k")
+        with trio.move_on_after(1):
+            await waiter.acquire("k", wait=10)
+        assert waiter.holds == []
+        # The server still has the wait; the release grants it to the waiter's
+        # session, and the unlock queued on cancellation must free it right after.
+        await holder.release(hold)
+        await waiter.ping()
+        assert not (await observer.info("k")).locked
+        async with waiter.lock("k", wait=1):  # the client and the key are usable
+            pass
+
+
+@pytest.mark.parametrize("kind", ["lock", "shared", "mlock"])
+async def test_cancelling_an_acquire_at_any_checkpoint_never_leaves_a_hold(
+    server: RunningServer, kind: str
+) -> None:
+    async with Client(port=server.port) as client, Client(port=server.port) as observer:
+        got: list[Hold] = []
+        for checkpoints in range(8):
+            got.clear()
+
+            async def attempt() -> None:
+                if kind == "lock":
+                    got.append(await client.acquire("c"))
+                elif kind == "shared":
+                    got.append(await client.acquire_shared("c", limit=1))
+                else:
+                    got.append(await client.acquire_many(["c", "d"]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(attempt)
+                for _ in range(checkpoints):
+                    await trio.lowlevel.checkpoint()
+                nursery.cancel_scope.cancel()
+            for hold in got:
+                await client.release(hold)
+            await client.ping()
+            info = await observer.info("c")
+            assert (info.locked, info.shared) == (False, 0), f"left behind at {checkpoints}"
+            assert client.holds == []
+
+
+async def test_cancelling_a_release_still_releases(server: RunningServer) -> None:
+    async with Client(port=server.port) as client, Client(port=server.port) as observer:
+        for checkpoints in range(4):
+            hold = await client.acquire("r")
+            # A task started in a cancelled scope still runs up to its first
+            # checkpoint: at 0 the release is cancelled before it awaits anything.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.release, hold)
+                for _ in range(checkpoints):
+                    await trio.lowlevel.checkpoint()
+                nursery.cancel_scope.cancel()
+            await client.ping()
+            assert not (await observer.info("r")).locked, f"still held at {checkpoints}"
+        with trio.move_on_after(0.5):  # cancelled inside the block
+            async with client.lock("body"):
+                await trio.sleep_forever()
+        await client.ping()
+        assert not (await observer.info("body")).locked
+
+
+async def test_silent_server_raises_reply_timeout_instead_of_hanging(
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock
+) -> None:
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(trio.serve_tcp, silent, 0)
+    port = listeners[0].socket.getsockname()[1]
+    async with Client(port=port, reply_timeout=3) as client:
+        start = trio.current_time()
+        with pytest.raises(ReplyTimeout):
+            await client.ping()
+        assert trio.current_time() - start == pytest.approx(3)
+        with pytest.raises(ReplyTimeout):  # the connection stays failed
+            await client.ping()
+    tls = ssl.create_default_context()
+    with pytest.raises(ConnectFailed):  # a TLS handshake nobody answers
+        async with Client(port=port, ssl_context=tls, connect_timeout=2):
+            pass
+    assert trio.current_time() - start == pytest.approx(5)
+
+
+async def test_connection_refused_is_a_clear_error() -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        with pytest.raises(ConnectFailed, match="cannot connect"):
+            async with Client(port=port):
+                pass
+
+
+async def test_resume_takes_over_a_dropped_session(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    first = Client(port=server.port)
+    async with first:
+        hold = await first.acquire("resumable", ttl=30)
+        session = await first.session_id()
+        await first.aclose(release=False)  # leases stay for a resume
+    assert hold.lost
+    async with Client(port=server.port) as second, Client(port=server.port) as third:
+        assert (await third.info("resumable")).token == hold.token
+        assert await second.resume(session)
+        assert await second.session_id() == session
+        async with second.lock("resumable", ttl=30) as adopted:
+            assert adopted.token == hold.token
+        assert not (await third.info("resumable")).locked
+        assert not await third.resume("0" * 32)
+
+
+async def test_rate_limiter_caps_concurrency(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    active = peak = 0
+
+    async def worker(limiter: RateLimiter) -> None:
+        nonlocal active, peak
+        async with limiter.slot():
+            active += 1
+            peak = max(peak, active)
+            await trio.sleep(1)
+            active -= 1
+
+    start = trio.current_time()
+    async with (
+        RateLimiter("partner-api", 2, port=server.port, wait=100) as limiter,
+        trio.open_nursery() as nursery,
+    ):
+        for _ in range(6):
+            nursery.start_soon(worker, limiter)
+    assert peak == 2
+    assert trio.current_time() - start == pytest.approx(3)
+
+
+# ---------------------------------------------------------------- TLS and auth
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+async def test_mutual_tls_and_auth_token(
+    nursery: trio.Nursery, ca: trustme.CA, tmp_path: Path
+) -> None:
+    cert = ca.issue_cert("127.0.0.1")
+    files = {name: str(tmp_path / name) for name in ("cert", "key", "ca", "token")}
+    cert.cert_chain_pems[0].write_to_path(files["cert"])
+    cert.private_key_pem.write_to_path(files["key"])
+    ca.cert_pem.write_to_path(files["ca"])
+    Path(files["token"]).write_text("letmein\n")
+    config = Config(
+        port=0,
+        metrics_port=0,
+        tls_cert=files["cert"],
+        tls_key=files["key"],
+        tls_client_ca=files["ca"],
+        auth_token_file=files["token"],
+    )
+    config = replace(config, host="127.0.0.1")
+    addresses = await nursery.start(serve, config, make_service(config))
+    port = addresses[0][1]
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    ca.issue_cert("worker@example.test").configure_cert(context)
+    client = Client(port=port, ssl_context=context, auth_token="letmein")
+    async with client, client.lock("secure") as hold:
+        assert hold.token is not None
+    with pytest.raises(AuthError):
+        async with Client(port=port, ssl_context=context, auth_token="wrong"):
+            pass
+    async with Client(port=port, ssl_context=context) as anonymous:
+        with pytest.raises(AuthError):
+            await anonymous.acquire("secure")

@@ -1,0 +1,292 @@
+"""The blocking client against a real ``python -m elockd`` process over TCP."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+
+from elockd.client import (
+    AuthError,
+    BlockingClient,
+    BlockingRateLimiter,
+    Client,
+    ConnectFailed,
+    Hold,
+    KeyBusy,
+    LockLost,
+    ReplyTimeout,
+    Unavailable,
+)
+from tests.server_process import start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    """One server for the module; every test uses keys of its own."""
+    process, port = start_server()
+    yield port
+    stop_server(process)
+
+
+@pytest.fixture
+def fresh_server() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    process, port = start_server()
+    yield process, port
+    stop_server(process)
+
+
+def test_lock_token_contention_and_info(port: int) -> None:
+    with BlockingClient(port=port) as a, BlockingClient(port=port) as b:
+        with a.lock("sync-job") as hold:
+            assert hold.token is not None and hold.token > 0
+            assert b.info("sync-job").token == hold.token
+            with pytest.raises(Unavailable):
+                b.acquire("sync-job")
+            with pytest.raises(KeyBusy):
+                a.acquire("sync-job")
+        with b.lock("sync-job", wait=1) as second:
+            assert second.token is not None and second.token > hold.token
+        assert not a.info("sync-job").locked
+
+
+def test_wait_shared_mlock_stats_ping_session(port: int) -> None:
+    with BlockingClient(port=port) as a, BlockingClient(port=port) as b:
+        hold = a.acquire("sync-wait")
+        timer = threading.Timer(0.2, a.release, [hold])
+        timer.start()
+        start = time.monotonic()
+        with b.lock("sync-wait", wait=5):
+            assert 0.15 < time.monotonic() - start < 4
+        timer.join()
+        with a.shared("sync-api", limit=1) as one:
+            assert one.holders == 1
+            with pytest.raises(Unavailable) as refused:
+                b.acquire_shared("sync-api", limit=1)
+            assert refused.value.holders == 1
+        with a.mlock(["sync-m1", "sync-m2"]) as many:
+            assert set(many.tokens) == {b"sync-m1", b"sync-m2"}
+            with pytest.raises(Unavailable) as conflict:
+                b.acquire_many(["sync-m0", "sync-m2"])
+            assert conflict.value.keys == (b"sync-m2",)
+        assert a.ping() >= 0
+        assert int(a.session_id(), 16) >= 0
+        assert a.stats()["clients"] >= 2
+        assert a.command("i sync-m1") == [b"0 Not Locked"]
+
+
+def test_threads_share_one_pipelined_connection(port: int) -> None:
+    errors: list[BaseException] = []
+    with BlockingClient(port=port) as client:
+        before = client.stats()["command_lock"]
+
+        def worker(index: int) -> None:
+            try:
+                for round_ in range(20):
+                    with client.lock(f"sync-t{index}-{round_}"):
+                        client.ping()
+            except BaseException as error:  # pragma: no cover - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == []
+        assert client.stats()["command_lock"] - before == 160
+
+
+def test_auto_renew_keeps_a_half_second_lease_alive_for_three_seconds(port: int) -> None:
+    with BlockingClient(port=port) as client, BlockingClient(port=port) as observer:
+        before = observer.stats()
+        with client.lock("sync-lease", ttl=0.5) as hold:
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                time.sleep(0.25)
+                assert observer.info("sync-lease").token == hold.token, "the lease ran out"
+            assert hold.renewals >= 12 and not hold.lost
+        after = observer.stats()
+        assert after["expired"] == before["expired"]
+
+
+def test_lock_lost_when_the_connection_is_killed(
+    fresh_server: tuple[subprocess.Popen[str], int],
+) -> None:
+    process, port = fresh_server
+    lost = threading.Event()
+    with (
+        BlockingClient(port=port) as client,
+        pytest.raises(LockLost, match="connection lost"),
+        client.lock("k", on_lost=lambda hold: lost.set()) as hold,
+    ):
+        process.kill()
+        assert lost.wait(5)
+        assert hold.lost
+
+
+def test_interrupted_acquire_never_leaves_a_hold(port: int) -> None:
+    """A signal handler raising (Ctrl-C) while acquire waits: the wait goes on at the
+    server, and the release queued behind it frees whatever it grants."""
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with (
+            BlockingClient(port=port) as holder,
+            BlockingClient(port=port) as waiter,
+            BlockingClient(port=port) as observer,
+        ):
+            hold = holder.acquire("sync-cancel")
+            main = threading.get_ident()
+            timer = threading.Timer(0.2, signal.pthread_kill, [main, signal.SIGUSR1])
+            timer.start()
+            with pytest.raises(Interrupted):
+                waiter.acquire("sync-cancel", wait=10)
+            timer.join()
+            assert waiter.holds == []
+            holder.release(hold)  # the server grants the pending wait to `waiter`...
+            waiter.ping()  # ...and runs the queued unlock before this ping
+            assert not observer.info("sync-cancel").locked
+            with waiter.lock("sync-cancel"):
+                pass
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_silent_server_raises_reply_timeout() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        with BlockingClient(port=port, reply_timeout=0.3) as client:
+            start = time.monotonic()
+            with pytest.raises(ReplyTimeout):
+                client.ping()
+            assert 0.25 < time.monotonic() - start < 2
+        # A TLS handshake nobody answers ends at the connect timeout.
+        start = time.monotonic()
+        with pytest.raises(ConnectFailed):
+            BlockingClient(
+                port=port, ssl_context=ssl.create_default_context(), connect_timeout=0.3
+            ).connect()
+        assert time.monotonic() - start < 2
+
+
+def test_connection_refused() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        with pytest.raises(ConnectFailed, match="cannot connect"):
+            BlockingClient(port=port).connect()
+
+
+def test_resume_after_a_dropped_connection(port: int) -> None:
+    first = BlockingClient(port=port)
+    first.connect()
+    hold = first.acquire("sync-resume", ttl=30)
+    session = first.session_id()
+    first.close(release=False)
+    assert hold.lost
+    with BlockingClient(port=port) as second:
+        assert second.resume(session)
+        with second.lock("sync-resume", ttl=30) as adopted:
+            assert adopted.token == hold.token
+        assert not second.info("sync-resume").locked
+
+
+def test_rate_limiter_caps_concurrency_across_threads(port: int) -> None:
+    lock = threading.Lock()
+    active = peak = 0
+
+    def worker(limiter: BlockingRateLimiter) -> None:
+        nonlocal active, peak
+        with limiter.slot():
+            with lock:
+                active += 1
+                peak = max(peak, active)
+            time.sleep(0.1)
+            with lock:
+                active -= 1
+
+    with BlockingRateLimiter("sync-partner-api", 2, port=port, wait=10) as limiter:
+        threads = [threading.Thread(target=worker, args=(limiter,)) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert 1 <= peak <= 2  # 2 in practice: each slot is held for 0.1 s
+
+
+def test_lost_hold_reports_on_release(port: int) -> None:
+    """A hold freed behind the client's back (here: its session's `unlock_all`)
+    raises LockLost when the block ends."""
+    lost: list[Hold] = []
+    with BlockingClient(port=port) as client:
+        with (
+            pytest.raises(LockLost, match="no longer held"),
+            client.lock("sync-lost", on_lost=lost.append),
+        ):
+            client.command("unlock_all")
+        assert len(lost) == 1
+
+
+def test_mutual_tls_and_auth(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    paths = {name: str(tmp_path / name) for name in ("cert", "key", "ca", "token")}
+    cert.cert_chain_pems[0].write_to_path(paths["cert"])
+    cert.private_key_pem.write_to_path(paths["key"])
+    ca.cert_pem.write_to_path(paths["ca"])
+    Path(paths["token"]).write_text("letmein\n")
+    process, port = start_server(
+        "--tls-cert",
+        paths["cert"],
+        "--tls-key",
+        paths["key"],
+        "--tls-client-ca",
+        paths["ca"],
+        "--auth-token-file",
+        paths["token"],
+    )
+    try:
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        ca.issue_cert("worker@example.test").configure_cert(context)
+        client = BlockingClient(port=port, ssl_context=context, auth_token="letmein")
+        with client, client.lock("tls", ttl=0.3) as hold:
+            time.sleep(0.5)  # renewals go over TLS from the I/O thread
+            assert hold.renewals >= 1
+        with pytest.raises(AuthError):
+            BlockingClient(port=port, ssl_context=context, auth_token="nope").connect()
+    finally:
+        stop_server(process)
+
+
+def test_both_clients_over_a_unix_socket(tmp_path: Path) -> None:
+    path = str(tmp_path / "elockd.sock")
+    process, _ = start_server("--unix", path)
+    try:
+        with BlockingClient(unix=path) as client, client.lock("over-unix") as hold:
+            assert client.info("over-unix").owner == b"unix"
+
+        async def with_trio() -> int | None:
+            async with Client(unix=path) as client, client.lock("over-unix") as again:
+                return again.token
+
+        second = trio.run(with_trio)
+        assert second is not None and hold.token is not None and second > hold.token
+    finally:
+        stop_server(process)
