@@ -92,7 +92,7 @@ def cmd_sd(conn: Connection, rest: bytes, now: float) -> bytes:
 
 def cmd_dump(conn: Connection, rest: bytes, now: float) -> bytes:
     """``dump`` is ``d`` of every key; ``dump shared`` is ``sd`` of every key. Any other
-    argument is ignored (documented in docs/protocol.md)."""
+    argument is ignored (documented in docs/protocol-notes.md)."""
     if terse_key(rest) == b"shared":
         return render_holds(conn.engine.shared_holds())
     return render_holds(conn.engine.exclusive_holds())

@@ -205,6 +205,7 @@ def test_dump_lists_holders_by_owner() -> None:
     assert a.handle(b"sd s", 0.0) == b"s: 10.0.0.1:1111\r\ns: worker-7\r\nEND\r\n"
     assert a.handle(b"dump", 0.0) == a.handle(b"d", 0.0)
     assert a.handle(b"dump shared", 0.0) == a.handle(b"sd", 0.0)
+    assert a.handle(b"dump y", 0.0) == a.handle(b"d", 0.0)  # no keyed dump: all keys
 
 
 def test_iam_who_me() -> None:
@@ -222,3 +223,5 @@ def test_iam_who_me() -> None:
     assert listing.endswith(b"END\r\n")
     assert b.handle(b"who web", 0.0) == b"10.0.0.2:2222: web\r\nEND\r\n"
     assert b.handle(b"who nobody", 0.0) == b"END\r\n"
+    assert a.handle(b"iam", 0.0) == b"1 ok\r\n"  # no name: cleared
+    assert a.handle(b"me", 0.0) == b"1 10.0.0.1:1111 10.0.0.1:1111\r\n"
