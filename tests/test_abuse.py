@@ -363,7 +363,8 @@ def test_flood_of_slowloris_connections_past_max_connections(spawn_server: Spawn
     )
     print(probe.report("connection flood"))
     assert refused == 600 - 199
-    assert answers == [b"1 Got Lock\r\n"] + [b"0 Cannot Get Lock\r\n"] * 198
+    # They all asked for the same key: whichever line the server read first got it.
+    assert sorted(answers) == [b"0 Cannot Get Lock\r\n"] * 198 + [b"1 Got Lock\r\n"]
     assert p99(probe.latencies) < 1.0
     wait_until(lambda: stats(port)["connections"] == 1, 10, "flood connections to end")
 
