@@ -123,13 +123,16 @@ class LockEngine:
         on_new_deadline: Callable[[], None] | None = None,
         on_hold_end: Callable[[bool, float], None] | None = None,
         on_wait_end: Callable[[bool, float], None] | None = None,
+        on_holds_end: Callable[[bool, list[float]], None] | None = None,
     ) -> None:
         """``first_token`` seeds the fencing-token counter (the server passes the wall
         clock in nanoseconds, so tokens keep increasing across restarts).
         ``on_new_deadline`` is called when the earliest deadline moves earlier, so a
         timer task can re-arm; ``on_hold_end(shared, seconds)`` feeds hold-time
-        histograms and ``on_wait_end(shared, seconds)`` wait-time histograms (called
-        once per request that waited, however its wait ended)."""
+        histograms (``on_holds_end(shared, [seconds, ...])`` takes the holds a
+        session frees at once, in one call) and ``on_wait_end(shared, seconds)``
+        wait-time histograms (called once per request that waited, however its wait
+        ended)."""
         self.sessions: dict[str, Session] = {}
         self.exclusive: dict[bytes, Hold] = {}
         self.shared: dict[bytes, dict[Session, Hold]] = {}
@@ -143,6 +146,7 @@ class LockEngine:
         self.on_new_deadline = on_new_deadline
         self.on_hold_end = on_hold_end
         self.on_wait_end = on_wait_end
+        self.on_holds_end = on_holds_end
         # Counters read by `q`, `stats` and /metrics.
         self.orphans = 0
         self.shared_orphans = 0
@@ -197,13 +201,54 @@ class LockEngine:
         if session.grace_deadline is not None:
             self.sessions_in_grace -= 1
         session.grace_deadline = None
-        for hold in [h for h in session.exclusive.values() if h.lease_deadline is None]:
-            self.orphans += 1
-            self._free(hold, now)
-        for hold in [h for h in session.shared.values() if h.lease_deadline is None]:
-            self.shared_orphans += 1
-            self._free(hold, now)
+        if session.leases:
+            for hold in [h for h in session.exclusive.values() if h.lease_deadline is None]:
+                self.orphans += 1
+                self._free(hold, now)
+            for hold in [h for h in session.shared.values() if h.lease_deadline is None]:
+                self.shared_orphans += 1
+                self._free(hold, now)
+        else:
+            self._free_everything(session, now)
         self._forget_if_done(session)
+
+    def _free_everything(self, session: Session, now: float) -> None:
+        """:meth:`_free` for every hold of a session that owns no lease and waits for
+        nothing, in one pass: when thousands of connections drop at once (a network
+        partition, a client fleet restart) this is most of the server's work, and
+        per-hold calls would double it. Waiters are still woken key by key."""
+        exclusive, shared = self.exclusive, self.shared
+        xqueues, squeues = self._xqueues, self._squeues
+        self.orphans += len(session.exclusive)
+        self.shared_orphans += len(session.shared)
+        for key, hold in session.exclusive.items():
+            hold.active = False
+            del exclusive[key]
+        for key, hold in session.shared.items():
+            hold.active = False
+            holders = shared[key]
+            del holders[session]
+            if not holders:
+                del shared[key]
+        self.shared_holders -= len(session.shared)
+        freed_exclusive, freed_shared = session.exclusive, session.shared
+        for is_shared, freed in ((False, freed_exclusive), (True, freed_shared)):
+            if freed:
+                self._report_hold_times(is_shared, [now - h.granted_at for h in freed.values()])
+        session.exclusive, session.shared = {}, {}
+        for key in freed_exclusive:
+            if key in xqueues:
+                self._serve_exclusive(key, now)
+        for key in freed_shared:
+            if key in squeues:
+                self._serve_shared(key, now)
+
+    def _report_hold_times(self, shared: bool, seconds: list[float]) -> None:
+        if self.on_holds_end is not None:
+            self.on_holds_end(shared, seconds)
+        elif self.on_hold_end is not None:
+            for each in seconds:
+                self.on_hold_end(shared, each)
 
     def _forget_if_done(self, session: Session) -> None:
         if not session.connected and session.grace_deadline is None and session.leases == 0:

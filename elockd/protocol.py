@@ -87,6 +87,7 @@ class Service:
             engine.on_wait_end = self.timings.wait_ended
         if engine.on_hold_end is None:
             engine.on_hold_end = self.timings.hold_ended
+            engine.on_holds_end = self.timings.holds_ended
         self.connections: set[Connection] = set()
         self.auth_token = auth_token
         # Before `auth` succeeds a connection dispatches through this table, where

@@ -12,7 +12,7 @@ exposes them to Prometheus.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 
 from elockd.locks import LockEngine
 
@@ -108,7 +108,7 @@ HOLD_BUCKETS = (
 
 
 class Buckets:
-    """A histogram as plain ints: what :meth:`observe` costs is one bisect and three
+    """A histogram as plain ints: what :meth:`observe` costs is one bisect and two
     additions, cheap enough for every release on the hot path.
 
     prometheus_client's ``Histogram.observe`` takes a lock and walks its buckets on
@@ -117,19 +117,34 @@ class Buckets:
     bucket ``i`` alone (not cumulative); the last slot is the +Inf bucket.
     """
 
-    __slots__ = ("bounds", "count", "counts", "sum")
+    __slots__ = ("bounds", "counts", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
-        self.count = 0
 
     def observe(self, seconds: float) -> None:
         # bisect_left: a value equal to a bound belongs to that bound's bucket (le).
         self.counts[bisect_left(self.bounds, seconds)] += 1
         self.sum += seconds
-        self.count += 1
+
+    def observe_many(self, seconds: list[float]) -> None:
+        """Observe a batch: sort once, then one bisect per bucket bound (all in C)
+        instead of a Python step per value."""
+        seconds.sort()
+        below = 0
+        for index, bound in enumerate(self.bounds):
+            upto = bisect_right(seconds, bound, below)
+            self.counts[index] += upto - below
+            below = upto
+        self.counts[-1] += len(seconds) - below
+        self.sum += sum(seconds)
+
+    @property
+    def count(self) -> int:
+        """Observations so far: summed at scrape time, one addition less per observe."""
+        return sum(self.counts)
 
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count of observations <= le)`` pairs, ``+Inf`` last."""
@@ -157,5 +172,12 @@ class Timings:
     def wait_ended(self, shared: bool, seconds: float) -> None:
         self.wait[shared].observe(seconds)
 
+    def holds_ended(self, shared: bool, seconds: list[float]) -> None:
+        self.hold[shared].observe_many(seconds)
+
     def hold_ended(self, shared: bool, seconds: float) -> None:
-        self.hold[shared].observe(seconds)
+        # Buckets.observe inlined: this runs on every release, the hottest path
+        # after acquire, and a second Python call costs as much as the work.
+        buckets = self.hold[shared]
+        buckets.counts[bisect_left(buckets.bounds, seconds)] += 1
+        buckets.sum += seconds

@@ -308,3 +308,30 @@ def test_hold_end_hook_reports_hold_time() -> None:
     engine.acquire_shared(a, b"s", 2.0)
     engine.release_all(a, 4.5)
     assert sorted(ended) == [(False, 3.5), (True, 2.5)]
+
+
+def test_a_session_ending_reports_its_hold_times_in_one_batch() -> None:
+    batches: list[tuple[bool, list[float]]] = []
+    engine = LockEngine(on_holds_end=lambda shared, seconds: batches.append((shared, seconds)))
+    a, b = sessions(engine, 2)
+    engine.acquire(a, b"x", 1.0)
+    engine.acquire(a, b"y", 2.0)
+    engine.acquire_shared(a, b"s", 3.0)
+    waiter = engine.wait_for(b, b"y", 3.0)
+    engine.disconnect(a, 5.0)
+    assert sorted((shared, sorted(seconds)) for shared, seconds in batches) == [
+        (False, [3.0, 4.0]),
+        (True, [2.0]),
+    ]
+    assert waiter is not None and waiter.granted  # hand-over still happens key by key
+    assert engine.orphans == 2 and engine.shared_orphans == 1 and engine.shared_holders == 0
+
+
+def test_without_a_batch_hook_each_hold_time_is_reported_alone() -> None:
+    ended: list[tuple[bool, float]] = []
+    engine = LockEngine(on_hold_end=lambda shared, seconds: ended.append((shared, seconds)))
+    (a,) = sessions(engine, 1)
+    engine.acquire(a, b"x", 1.0)
+    engine.acquire_shared(a, b"s", 2.0)
+    engine.disconnect(a, 4.0)
+    assert sorted(ended) == [(False, 3.0), (True, 2.0)]
