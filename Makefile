@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 9999
 METRICS_PORT ?= 9998
 
-.PHONY: run test lint clean stress
+.PHONY: run test lint clean stress bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,5 +38,12 @@ STRESS_SECONDS ?= 60
 stress: $(VENV)/.installed-test
 	STRESS_SECONDS=$(STRESS_SECONDS) $(BIN)/python -m pytest -q -s tests/test_safety.py
 
+# Benchmarks, not tests: elockd beside redis-server (when installed), pinned with
+# taskset, ratios printed per row. BENCH_ARGS passes options (see bench/run.py
+# --help), e.g. BENCH_ARGS='--seconds 2 --skip hold'.
+BENCH_ARGS ?=
+bench: $(VENV)/.installed-run
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/.build
