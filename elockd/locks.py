@@ -66,6 +66,7 @@ class Waiter:
         "keys",
         "limit",
         "missing",
+        "serial",
         "session",
         "shared",
         "since",
@@ -91,6 +92,7 @@ class Waiter:
         self.limit = limit
         self.ttl = ttl
         self.since = since
+        self.serial = 0  # arrival order, set when it starts waiting
         self.state = WAITING
         self.taken: list[bytes] = []
         self.missing = len(keys)
@@ -140,6 +142,7 @@ class LockEngine:
         self._squeues: dict[bytes, deque[Waiter]] = {}
         self._timers: list[_Timer] = []
         self._tiebreak = itertools.count()
+        self._arrivals = itertools.count(1)
         self._next_token = first_token
         self.max_waiters = max_waiters
         self.max_holds = max_holds
@@ -467,15 +470,23 @@ class LockEngine:
 
     def _requeue_lost_key(self, session: Session, key: bytes) -> None:
         """An ``mlock`` waiter counted a key its session already held as done; that
-        hold's lease just ended, so the waiter needs the key again and queues for it
-        (behind everyone already queued). Without this it would be granted while
-        missing a key."""
+        hold's lease just ended, so the waiter needs the key again and queues for it,
+        ahead of the waiters that arrived after it. Without this it would be granted
+        while missing a key."""
         for waiter in session.waiters:
             if not waiter.shared and key in waiter.keys:
                 waiter.missing += 1
                 if key in waiter.taken:
                     waiter.taken.remove(key)
-                self._xqueues.setdefault(key, deque()).append(waiter)
+                # In its place by arrival, not at the back: every queue must keep the
+                # one order of arrival, or two mlocks could each hold what the other
+                # waits for (see the module docstring).
+                queue = self._xqueues.setdefault(key, deque())
+                place = next(
+                    (i for i, other in enumerate(queue) if other.serial > waiter.serial),
+                    len(queue),
+                )
+                queue.insert(place, waiter)
 
     def _serve_exclusive(self, key: bytes, now: float) -> None:
         queue = self._xqueues.get(key)
@@ -512,6 +523,7 @@ class LockEngine:
                 raise QueueFull(key)
 
     def _add_waiter(self, waiter: Waiter) -> None:
+        waiter.serial = next(self._arrivals)
         waiter.session.waiters.add(waiter)
         self.waiting += 1
 

@@ -163,6 +163,7 @@ def make_registry(service: Service) -> CollectorRegistry:
     """A registry of its own: elockd's metrics plus the standard ``process_*`` ones
     (CPU, memory, open file descriptors: connections are descriptors)."""
     registry = CollectorRegistry(auto_describe=False)
+    service.feed_timings()  # the histograms are read from here on, so fill them
     registry.register(ElockdCollector(service))
     ProcessCollector(registry=registry)
     return registry

@@ -80,14 +80,10 @@ class Service:
         self.word_verbs = WORD_VERBS
         self.replies: TerseReplies = STYLES[config.replies]
         self.counters = Counters(list(COMMANDS))
-        # Wait and hold times for /metrics, fed by the engine's hooks (unless the
-        # caller wired its own).
+        # Wait and hold times for /metrics; the engine feeds them only once a
+        # metrics registry asks for them (feed_timings), so without a metrics port
+        # no release pays for the hook.
         self.timings = Timings()
-        if engine.on_wait_end is None:
-            engine.on_wait_end = self.timings.wait_ended
-        if engine.on_hold_end is None:
-            engine.on_hold_end = self.timings.hold_ended
-            engine.on_holds_end = self.timings.holds_ended
         self.connections: set[Connection] = set()
         self.auth_token = auth_token
         # Before `auth` succeeds a connection dispatches through this table, where
@@ -96,6 +92,16 @@ class Service:
             verb: _refuse_word if verb in WORD_VERBS else _refuse_terse for verb in COMMANDS
         }
         self.unauthenticated_commands[b"auth"] = COMMANDS[b"auth"]
+
+    def feed_timings(self) -> None:
+        """Point the engine's wait and hold hooks at :attr:`timings` (unless the
+        caller wired its own)."""
+        engine = self.engine
+        if engine.on_wait_end is None:
+            engine.on_wait_end = self.timings.wait_ended
+        if engine.on_hold_end is None:
+            engine.on_hold_end = self.timings.hold_ended
+            engine.on_holds_end = self.timings.holds_ended
 
     def snapshot(self) -> dict[str, int]:
         return snapshot(self.engine, self.counters)

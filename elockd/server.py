@@ -278,15 +278,17 @@ async def serve_tls(
     stream = trio.SSLStream(
         trio.SocketStream(trio.socket.from_stdlib_socket(sock)), context, server_side=True
     )
+    handshaken = False
     with trio.move_on_after(service.config.handshake_timeout):
         try:
             await stream.do_handshake()
+            handshaken = True
         except trio.BrokenResourceError as error:
             log.info("TLS handshake with %s failed: %s", peer.decode(), error.__cause__ or error)
-        else:
-            await serve_stream(service, stream, peer)
-            return
-    await trio.aclose_forcefully(stream)
+    if handshaken:  # outside the timeout: it bounds the handshake, not the session
+        await serve_stream(service, stream, peer)
+    else:
+        await trio.aclose_forcefully(stream)
 
 
 def tls_context(config: Config) -> ssl.SSLContext | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 import trustme
 
 from elockd.config import Config
@@ -142,6 +143,33 @@ async def test_tls_lock_port(
     with pytest.raises((EOFError, trio.BrokenResourceError)):
         await plain.line()
     await client.aclose()
+
+
+async def test_a_tls_session_outlives_the_handshake_timeout(
+    nursery: trio.Nursery,
+    ca: trustme.CA,
+    tls_files: dict[str, str],
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """The handshake timeout bounds the handshake only, not the session after it."""
+    config = Config(
+        port=0,
+        metrics_port=0,
+        handshake_timeout=1.0,
+        tls_cert=tls_files["cert"],
+        tls_key=tls_files["key"],
+    )
+    port = await start_tls_server(nursery, config)
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    holder = await tls_client(port, context)
+    other = await tls_client(port, context)
+    assert await holder.request(b"g kept") == b"1 Got Lock"
+    await trio.sleep(60)
+    assert await other.request(b"i kept") == b"1 Locked"
+    assert await holder.request(b"r kept") == b"1 Released Lock"
+    await holder.aclose()
+    await other.aclose()
 
 
 async def test_mutual_tls_demands_a_client_certificate(

@@ -335,3 +335,21 @@ def test_without_a_batch_hook_each_hold_time_is_reported_alone() -> None:
     engine.acquire_shared(a, b"s", 2.0)
     engine.disconnect(a, 4.0)
     assert sorted(ended) == [(False, 3.0), (True, 2.0)]
+
+
+def test_mlock_requeued_after_its_lease_ended_keeps_its_place_by_arrival() -> None:
+    """Re-queued at the back, the older mlock would hold B while the younger held A,
+    each waiting for the other: a deadlock."""
+    engine = LockEngine()
+    s1, s2, s3 = sessions(engine, 3)
+    engine.acquire(s1, b"A", 0.0, ttl=1.0)
+    engine.acquire(s3, b"B", 0.0)
+    older = engine.request_many(s1, [b"A", b"B"], 0.0, wait=True)
+    younger = engine.request_many(s2, [b"A", b"B"], 0.0, wait=True)
+    assert isinstance(older, Waiter) and isinstance(younger, Waiter)
+    engine.advance(1.0)  # A's lease ends: the older waiter takes it back first
+    assert engine.exclusive[b"A"].session is s1
+    engine.release(s3, b"B", 2.0)
+    assert older.granted and not younger.granted
+    engine.release_all(s1, 3.0)
+    assert younger.granted

@@ -302,7 +302,9 @@ class EngineModel(RuleBasedStateMachine):
         self.engine.advance(self.now)
         for waiter, key, hold in held_while_waiting:
             if waiter.session.exclusive.get(key) is not hold:  # its lease ended: it queues again
-                self.xqueue[key].append(waiter)
+                queue = self.xqueue[key]  # in its place by arrival
+                queue.append(waiter)
+                queue.sort(key=lambda w: w.serial)
         for hold in self.all_holds():
             assert hold.lease_deadline is None or hold.lease_deadline > self.now
         next_deadline = self.engine.next_deadline()
@@ -356,6 +358,30 @@ class EngineModel(RuleBasedStateMachine):
                 assert waiter.state == WAITING
             if queue:
                 assert key in self.engine.exclusive, "a key with waiters was left free"
+
+    @invariant()
+    def mlock_waiters_never_wait_on_each_other_in_a_cycle(self) -> None:
+        """What mlock promises: no two waiters each hold (as taken keys) what the
+        other waits for, directly or around a cycle. Cycles through plain holds are
+        the client's own hold-and-wait and are not the engine's to prevent."""
+        waiting = [w for s in self.engine.sessions.values() for w in s.waiters if not w.shared]
+        taken_by = {key: w for w in waiting for key in w.taken}
+        blocked_on = {
+            w: {
+                taken_by[key]
+                for key in w.keys
+                if key not in w.session.exclusive and key in taken_by
+            }
+            for w in waiting
+        }
+        for start in waiting:  # depth-first walk; the graphs here have a handful of nodes
+            stack, seen = [start], set()
+            while stack:
+                for nxt in blocked_on[stack.pop()]:
+                    assert nxt is not start, "mlock waiters wait on each other in a cycle"
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        stack.append(nxt)
 
     @invariant()
     def shared_waiters_in_order(self) -> None:

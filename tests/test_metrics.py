@@ -336,3 +336,11 @@ def test_alerts_and_dashboard_query_only_metrics_elockd_exports(busy_scrape: str
     used = {m for e in expressions for m in re.findall(r"\b((?:elockd|process)_[a-z_]+)", e)}
     assert used - {"elockd_"}, "no metric found in the queries"
     assert used <= exported, used - exported
+
+
+def test_hold_and_wait_hooks_are_wired_only_for_a_metrics_registry() -> None:
+    service = make_service(Config(port=0, metrics_port=0))
+    assert service.engine.on_hold_end is None and service.engine.on_wait_end is None
+    make_registry(service)
+    assert service.engine.on_hold_end == service.timings.hold_ended
+    assert service.engine.on_wait_end == service.timings.wait_ended
