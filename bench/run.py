@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
 import resource
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "bench" / ".build"
@@ -260,6 +261,30 @@ def percentile(values: list[float], fraction: float) -> float:
 # ----------------------------------------------------------------- rows
 
 
+def probe_until_free(port: int, sample: list[tuple[int, int]], start: Any, results: Any) -> None:
+    """Probe the sample keys one request at a time, from the drop until every one is
+    free; report when the last came free and the latency of every reply meanwhile."""
+    probe = socket.create_connection(("127.0.0.1", port), timeout=30)
+    pending = list(sample)
+    buffer = bytearray()
+    latencies: list[float] = []
+    start.wait()
+    started_at = time.monotonic()
+    while pending and time.monotonic() - started_at < 30:
+        still = []
+        for c, j in pending:
+            verb = b"i" if j % 2 == 0 else b"si"
+            sent = time.monotonic()
+            probe.sendall(b"%s h:%d:%d\n" % (verb, c, j))
+            (line,) = read_lines(probe, 1, buffer)
+            latencies.append(time.monotonic() - sent)
+            if not line.startswith(b"0"):
+                still.append((c, j))
+        pending = still
+    probe.close()
+    results.put((time.monotonic() - started_at if not pending else float("inf"), latencies))
+
+
 def hold_row(port: int, pid: int, conns: int, per_conn: int) -> dict[str, float]:
     """conns connections x per_conn locks (half exclusive, half shared); memory per
     held lock over the same connections holding nothing; then every connection
@@ -280,46 +305,26 @@ def hold_row(port: int, pid: int, conns: int, per_conn: int) -> dict[str, float]
     establish = time.monotonic() - started
     rss_held = memory_kib(pid)
     locks = conns * per_conn
-    probe = socket.create_connection(("127.0.0.1", port), timeout=30)
     sample = [(c, j) for c in range(0, conns, max(1, conns // 1000)) for j in (0, 1)]
-    latencies: list[float] = []
-    outcome: dict[str, float] = {}
-    closing_started = threading.Event()
-
-    def watch() -> None:
-        """Probe the sample keys one request at a time, from before the drop until
-        every one is free: the latency of each reply and when the last came free."""
-        pending = list(sample)
-        buffer = bytearray()
-        closing_started.wait()
-        started_at = time.monotonic()
-        while pending and time.monotonic() - started_at < 30:
-            still = []
-            for c, j in pending:
-                verb = b"i" if j % 2 == 0 else b"si"
-                sent = time.monotonic()
-                probe.sendall(b"%s h:%d:%d\n" % (verb, c, j))
-                (line,) = read_lines(probe, 1, buffer)
-                latencies.append(time.monotonic() - sent)
-                if not line.startswith(b"0"):
-                    still.append((c, j))
-            pending = still
-        outcome["all_free_s"] = time.monotonic() - started_at if not pending else float("inf")
-
-    watcher = threading.Thread(target=watch)
+    # The probe runs in a process of its own, so that this one closing 10,000
+    # sockets does not hold it back (a thread would wait for the GIL).
+    spawn = multiprocessing.get_context("spawn")
+    start, results = spawn.Event(), spawn.Queue()
+    watcher = spawn.Process(target=probe_until_free, args=(port, sample, start, results))
     watcher.start()
-    closing_started.set()
+    time.sleep(0.5)  # let it connect
+    start.set()
     for sock in idle:
         sock.close()
+    all_free, latencies = results.get(timeout=60)
     watcher.join()
-    probe.close()
     return {
         "locks": locks,
         "establish_s": establish,
         "rss_idle_mib": rss_idle / 1024,
         "rss_held_mib": rss_held / 1024,
         "bytes_per_lock": (rss_held - rss_idle) * 1024 / locks,
-        "all_free_s": outcome["all_free_s"],
+        "all_free_s": all_free,
         "probe_p99_ms": percentile(latencies, 0.99) * 1000,
         "probe_max_ms": max(latencies) * 1000,
         "probes": len(latencies),
