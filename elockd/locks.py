@@ -137,7 +137,10 @@ class LockEngine:
         ended)."""
         self.sessions: dict[str, Session] = {}
         self.exclusive: dict[bytes, Hold] = {}
-        self.shared: dict[bytes, dict[Session, Hold]] = {}
+        # A shared key with one holder maps to that Hold, with more to {session: Hold}:
+        # a dict per key costs 224 bytes, more than the hold itself, and most shared
+        # keys have a single holder. Read it through shared_count / shared_holds.
+        self.shared: dict[bytes, Hold | dict[Session, Hold]] = {}
         self._xqueues: dict[bytes, deque[Waiter]] = {}
         self._squeues: dict[bytes, deque[Waiter]] = {}
         self._timers: list[_Timer] = []
@@ -220,19 +223,14 @@ class LockEngine:
         nothing, in one pass: when thousands of connections drop at once (a network
         partition, a client fleet restart) this is most of the server's work, and
         per-hold calls would double it. Waiters are still woken key by key."""
-        exclusive, shared = self.exclusive, self.shared
+        exclusive = self.exclusive
         xqueues, squeues = self._xqueues, self._squeues
         self.orphans += len(session.exclusive)
         self.shared_orphans += len(session.shared)
-        for key, hold in session.exclusive.items():
-            hold.active = False
+        for key in session.exclusive:
             del exclusive[key]
-        for key, hold in session.shared.items():
-            hold.active = False
-            holders = shared[key]
-            del holders[session]
-            if not holders:
-                del shared[key]
+        for hold in session.shared.values():
+            self._unshare(hold)
         self.shared_holders -= len(session.shared)
         freed_exclusive, freed_shared = session.exclusive, session.shared
         for is_shared, freed in ((False, freed_exclusive), (True, freed_shared)):
@@ -368,35 +366,38 @@ class LockEngine:
         Without a limit it always succeeds. With one, it succeeds only while fewer
         than ``limit`` hold the key and nobody queues for it (no overtaking).
         """
-        holders = self.shared.get(key)
-        if holders is not None:
-            own = holders.get(session)
-            if own is not None:
-                if ttl is not None:
-                    self._set_lease(own, now + ttl)
-                return True, len(holders)
-            count = len(holders)
-        else:
-            count = 0
+        own = session.shared.get(key)
+        if own is not None:
+            if ttl is not None:
+                self._set_lease(own, now + ttl)
+            return True, self.shared_count(key)
+        count = self.shared_count(key)
         if limit is not None and (count >= limit or key in self._squeues):
             return False, count
         self._check_hold_room(session, 1)
         return True, self._grant_shared(session, key, now, ttl)
 
     def _grant_shared(self, session: Session, key: bytes, now: float, ttl: float | None) -> int:
+        """Add a shared hold on ``key`` (a session that has one keeps it): the holder
+        count."""
+        if key in session.shared:
+            return self.shared_count(key)
         hold = Hold(session, key, True, 0, now)
-        holders = self.shared.get(key)
-        if holders is None:
-            self.shared[key] = {session: hold}
-            self.shared_holders += 1
+        entry = self.shared.get(key)
+        if entry is None:
+            self.shared[key] = hold
+            count = 1
+        elif isinstance(entry, Hold):
+            self.shared[key] = {entry.session: entry, session: hold}
+            count = 2
         else:
-            if session not in holders:
-                self.shared_holders += 1
-            holders[session] = hold
+            entry[session] = hold
+            count = len(entry)
+        self.shared_holders += 1
         session.shared[key] = hold
         if ttl is not None:
             self._set_lease(hold, now + ttl)
-        return len(self.shared[key])
+        return count
 
     def wait_shared(
         self, session: Session, key: bytes, now: float, *, limit: int, ttl: float | None = None
@@ -422,8 +423,22 @@ class LockEngine:
         return self.shared_count(key)
 
     def shared_count(self, key: bytes) -> int:
-        holders = self.shared.get(key)
-        return len(holders) if holders else 0
+        entry = self.shared.get(key)
+        if entry is None:
+            return 0
+        return 1 if isinstance(entry, Hold) else len(entry)
+
+    def _unshare(self, hold: Hold) -> None:
+        """Take a shared hold out of the key's entry (a last one turns back into a
+        plain Hold, a none into no entry)."""
+        key = hold.key
+        entry = self.shared[key]
+        if isinstance(entry, Hold):
+            del self.shared[key]
+        else:
+            del entry[hold.session]
+            if len(entry) == 1:
+                self.shared[key] = next(iter(entry.values()))
 
     # ------------------------------------------------------------ both tables
 
@@ -445,18 +460,15 @@ class LockEngine:
     def _free(self, hold: Hold, now: float) -> None:
         """Remove a hold from every table, then hand the key to its next waiter(s)."""
         session, key = hold.session, hold.key
-        hold.active = False
         if hold.lease_deadline is not None:
+            hold.lease_deadline = None  # its heap entry goes stale
             self.leases -= 1
             session.leases -= 1
         if self.on_hold_end is not None:
             self.on_hold_end(hold.shared, now - hold.granted_at)
         if hold.shared:
-            holders = self.shared[key]
-            del holders[session]
+            self._unshare(hold)
             self.shared_holders -= 1
-            if not holders:
-                del self.shared[key]
             del session.shared[key]
             if key in self._squeues:
                 self._serve_shared(key, now)
@@ -594,7 +606,7 @@ class LockEngine:
         while timers and timers[0][0] <= now:
             deadline, _, target = heapq.heappop(timers)
             if isinstance(target, Hold):
-                if target.active and target.lease_deadline == deadline:
+                if target.lease_deadline == deadline:  # else renewed or freed: stale
                     self.expired += 1
                     self._free(target, now)
                     self._forget_if_done(target.session)
@@ -610,11 +622,12 @@ class LockEngine:
             yield hold
 
     def shared_holds(self, key: bytes | None = None) -> Iterator[Hold]:
-        if key is None:
-            for holders in self.shared.values():
-                yield from holders.values()
-        elif (of_key := self.shared.get(key)) is not None:
-            yield from of_key.values()
+        entries = self.shared.values() if key is None else [self.shared.get(key)]
+        for entry in entries:
+            if isinstance(entry, Hold):
+                yield entry
+            elif entry is not None:
+                yield from entry.values()
 
     def waiting_for(self, key: bytes) -> int:
         """Requests waiting for ``key``, in either table."""

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from elockd.locks import CANCELLED, GRANTED, WAITING, LockEngine, QueueFull, TooManyHolds, Waiter
-from elockd.sessions import Session
+from elockd.sessions import Hold, Session
 
 KEYS = [b"a", b"b", b"c"]
 TTLS = st.sampled_from([None, None, 0.5, 1.0, 2.5])
@@ -94,7 +94,10 @@ class EngineModel(RuleBasedStateMachine):
         """Everything a refused request must leave alone."""
         return (
             {k: h.session.id for k, h in self.engine.exclusive.items()},
-            {k: sorted(s.id for s in hs) for k, hs in self.engine.shared.items()},
+            {
+                k: sorted(h.session.id for h in self.engine.shared_holds(k))
+                for k in self.engine.shared
+            },
             self.engine.waiting,
             self.engine.leases,
             {k: list(q) for k, q in self.engine._xqueues.items()},
@@ -320,26 +323,30 @@ class EngineModel(RuleBasedStateMachine):
 
     def all_holds(self) -> list[Any]:
         holds = list(self.engine.exclusive.values())
-        holds += [h for hs in self.engine.shared.values() for h in hs.values()]
+        holds += list(self.engine.shared_holds())
         return holds
 
     @invariant()
     def tables_agree(self) -> None:
         engine = self.engine
         for key, hold in engine.exclusive.items():
-            assert hold.active and hold.key == key and not hold.shared
+            assert hold.key == key and not hold.shared
             assert hold.session.exclusive[key] is hold
             assert engine.sessions[hold.session.id] is hold.session
-        for key, holders in engine.shared.items():
+        for key, entry in engine.shared.items():
+            holders = list(engine.shared_holds(key))
             assert holders, "an empty shared entry was left behind"
-            for session, hold in holders.items():
-                assert hold.active and hold.shared and session.shared[key] is hold
+            assert isinstance(entry, Hold) == (len(holders) == 1), "one holder, no dict"
+            assert engine.shared_count(key) == len(holders)
+            for hold in holders:
+                session = hold.session
+                assert hold.shared and session.shared[key] is hold
                 assert engine.sessions[session.id] is session
         for session in engine.sessions.values():
             for key, hold in session.exclusive.items():
                 assert engine.exclusive[key] is hold
             for key, hold in session.shared.items():
-                assert engine.shared[key][session] is hold
+                assert hold in engine.shared_holds(key)
             if not session.connected:
                 assert session.grace_deadline is not None or session.leases > 0
                 assert not session.waiters

@@ -276,14 +276,16 @@ class Harness:
         engine = self.service.engine
         leases = 0
         for key, hold in engine.exclusive.items():
-            assert hold.key == key and hold.active and not hold.shared
+            assert hold.key == key and not hold.shared
             assert hold.session.exclusive.get(key) is hold
             assert engine.sessions.get(hold.session.id) is hold.session
             leases += hold.lease_deadline is not None
-        for key, holders in engine.shared.items():
+        for key in engine.shared:
+            holders = list(engine.shared_holds(key))
             assert holders, f"empty holder table for {key!r}"
-            for session, hold in holders.items():
-                assert hold.session is session and hold.key == key and hold.shared
+            for hold in holders:
+                session = hold.session
+                assert hold.key == key and hold.shared
                 assert session.shared.get(key) is hold
                 leases += hold.lease_deadline is not None
         assert engine.leases == leases
@@ -292,7 +294,7 @@ class Harness:
             for key, hold in session.exclusive.items():
                 assert engine.exclusive[key] is hold
             for key, hold in session.shared.items():
-                assert engine.shared[key][session] is hold
+                assert hold in engine.shared_holds(key)
             session_leases = sum(
                 h.lease_deadline is not None
                 for h in [*session.exclusive.values(), *session.shared.values()]

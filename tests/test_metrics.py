@@ -127,7 +127,7 @@ def test_engine_keeps_shared_holders_and_grace_sessions_exact() -> None:
             engine.release_all(session, now)
         else:
             engine.advance(now)
-        holders = sum(len(h) for h in engine.shared.values())
+        holders = sum(1 for _ in engine.shared_holds())
         in_grace = sum(
             1 for s in engine.sessions.values() if not s.connected and s.grace_deadline is not None
         )
