@@ -99,7 +99,7 @@ def elockd_command(port: int) -> list[str]:
         "--port",
         str(port),
         "--metrics-port",
-        "0",
+        str(free_port()),  # on, as by default: its histogram hooks run per release
         "--max-connections",
         "20000",
         "--max-holds",

@@ -137,9 +137,10 @@ class LockEngine:
         ended)."""
         self.sessions: dict[str, Session] = {}
         self.exclusive: dict[bytes, Hold] = {}
-        # A shared key with one holder maps to that Hold, with more to {session: Hold}:
-        # a dict per key costs 224 bytes, more than the hold itself, and most shared
-        # keys have a single holder. Read it through shared_count / shared_holds.
+        # A shared key taken by one holder maps to that Hold; from a second holder on
+        # to {session: Hold}. A dict per key costs 224 bytes, more than the hold
+        # itself, and most shared keys have a single holder. Read it through
+        # shared_count / shared_holds.
         self.shared: dict[bytes, Hold | dict[Session, Hold]] = {}
         self._xqueues: dict[bytes, deque[Waiter]] = {}
         self._squeues: dict[bytes, deque[Waiter]] = {}
@@ -429,16 +430,17 @@ class LockEngine:
         return 1 if isinstance(entry, Hold) else len(entry)
 
     def _unshare(self, hold: Hold) -> None:
-        """Take a shared hold out of the key's entry (a last one turns back into a
-        plain Hold, a none into no entry)."""
+        """Take a shared hold out of the key's entry; the entry goes with its last
+        holder. A dict stays a dict down to one holder: a busy key would otherwise
+        build and drop one on every second grant."""
         key = hold.key
         entry = self.shared[key]
         if isinstance(entry, Hold):
             del self.shared[key]
         else:
             del entry[hold.session]
-            if len(entry) == 1:
-                self.shared[key] = next(iter(entry.values()))
+            if not entry:
+                del self.shared[key]
 
     # ------------------------------------------------------------ both tables
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elockd.locks import CANCELLED, GRANTED, LockEngine, QueueFull, TooManyHolds, Waiter
-from elockd.sessions import Session
+from elockd.sessions import Hold, Session
 
 
 def sessions(engine: LockEngine, count: int) -> list[Session]:
@@ -353,3 +353,16 @@ def test_mlock_requeued_after_its_lease_ended_keeps_its_place_by_arrival() -> No
     assert older.granted and not younger.granted
     engine.release_all(s1, 3.0)
     assert younger.granted
+
+
+def test_a_single_shared_holder_costs_no_dict() -> None:
+    engine = LockEngine()
+    a, b = sessions(engine, 2)
+    engine.acquire_shared(a, b"s", 0.0)
+    assert isinstance(engine.shared[b"s"], Hold)  # 224 bytes of dict saved per key
+    assert engine.acquire_shared(b, b"s", 0.0) == (True, 2)
+    assert isinstance(engine.shared[b"s"], dict)
+    assert engine.release_shared(a, b"s", 1.0) == 1
+    assert [h.session for h in engine.shared_holds(b"s")] == [b]
+    assert engine.release_shared(b, b"s", 1.0) == 0
+    assert b"s" not in engine.shared and engine.shared_holders == 0
