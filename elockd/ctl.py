@@ -27,7 +27,8 @@ EXIT_USAGE = 2  # argparse's own
 EXIT_ERROR = 3  # the server could not be reached or refused the request
 EXIT_LOST = 75  # EX_TEMPFAIL: the lock was lost while COMMAND ran
 PROBE_VERBS = ("g", "r", "i", "sg", "sr", "si")
-#: Signals elockctl passes on to COMMAND instead of dying of them.
+#: Signals elockctl catches while COMMAND runs (so that they do not end it and its
+#: lock first) and passes on to COMMAND, except as :func:`should_forward` says.
 FORWARDED_SIGNALS = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -37,13 +38,18 @@ FORWARDED_SIGNALS = (
     signal.SIGUSR2,
     signal.SIGWINCH,
 )
+#: Signals a terminal's Ctrl-C / Ctrl-\ sends to its whole foreground process group,
+#: COMMAND included: passing them on as well would deliver them twice.
+TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
 
 LOCK_EPILOG = """\
 exit status: COMMAND's own (128+N if a signal N killed it); the --conflict-exit-code
 (default 1) when the lock was not granted within --wait; 75 when the lock was lost
 while COMMAND ran (COMMAND is then sent SIGTERM, and SIGKILL after --kill-after
 seconds); 3 when the server cannot be reached; 126/127 when COMMAND cannot run.
-Signals (INT TERM HUP QUIT USR1 USR2 WINCH) are forwarded to COMMAND.
+Signals (INT TERM HUP QUIT USR1 USR2 WINCH) are forwarded to COMMAND, except INT
+and QUIT while elockctl runs in a terminal's foreground: Ctrl-C and Ctrl-\\ reach
+COMMAND from the terminal already.
 """
 
 
@@ -312,12 +318,62 @@ async def run_command(argv: list[str], lost: trio.Event, kill_after: float) -> i
     return 128 - code if code < 0 else code
 
 
-async def forward_signals(signals: AsyncIterator[int], send: Callable[[int], None]) -> None:
+async def forward_signals(
+    signals: AsyncIterator[int],
+    send: Callable[[int], None],
+    in_foreground: Callable[[], bool] | None = None,
+) -> None:
+    """Pass each signal on to COMMAND, unless the terminal delivered it already.
+
+    The foreground test runs per signal, because it can change while COMMAND runs
+    (``Ctrl-Z`` and ``bg``, for one).
+    """
+    foreground = in_terminal_foreground if in_foreground is None else in_foreground
     async for signum in signals:
+        if not should_forward(signum, foreground):
+            continue
         try:
             send(signum)
         except ProcessLookupError:
             return
+
+
+def should_forward(signum: int, in_foreground: Callable[[], bool]) -> bool:
+    """Whether elockctl passes ``signum`` on to COMMAND.
+
+    A terminal sends Ctrl-C's SIGINT and Ctrl-\\'s SIGQUIT to every process of its
+    foreground process group, and COMMAND is in elockctl's group: when that group
+    is in the foreground, COMMAND has had the signal already. Otherwise (cron,
+    scripts, ``kill -INT PID``) only elockctl got it, and COMMAND must get it too.
+    Every other signal is always passed on: TERM, HUP and USR1/2 are aimed at
+    elockctl alone, and a doubled WINCH only makes COMMAND re-read the window size.
+    """
+    return signum not in TERMINAL_SIGNALS or not in_foreground()
+
+
+def in_terminal_foreground(tty: str = "/dev/tty") -> bool:
+    """True when elockctl's process group is the foreground group of its terminal
+    (the controlling terminal ``tty``, else standard input); False without one.
+    """
+    try:
+        fd = os.open(tty, os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        fd = None
+    try:
+        if fd is None:
+            if sys.stdin is None:
+                return False
+            fd_to_ask = sys.stdin.fileno()
+        else:
+            fd_to_ask = fd
+        return os.tcgetpgrp(fd_to_ask) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        # No terminal (ENOTTY, ENXIO), or stdin closed or replaced: no terminal can
+        # have sent COMMAND the signal as well.
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 async def end_when_lost(lost: trio.Event, process: trio.Process, kill_after: float) -> None:

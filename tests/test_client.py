@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ssl
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from elockd.client import (
     ReplyTimeout,
     Unavailable,
 )
+from elockd.client.core import ClientCore, Operation, parse_lines, parse_ok
 from elockd.config import Config
 from elockd.server import make_service, serve
 from tests.conftest import RunningServer
@@ -116,6 +118,13 @@ async def test_info_stats_ping_session_id_and_raw_commands(server: RunningServer
         assert stats["clients"] == 1 and stats["command_ping"] == 1
         assert await client.command("g raw key") == [b"1 Got Lock"]
         assert await client.command("d") == [b"raw key: 127.0.0.1:%d" % client_port(client)]
+        # The server finds the verb after blanks and before a tab as well: so must the
+        # client, or it reads one line of a multi-line reply and falls out of step.
+        assert await client.command(" d") == await client.command("d")
+        assert await client.command("d\traw key") == [
+            b"raw key: 127.0.0.1:%d" % client_port(client)
+        ]
+        assert await client.ping() >= 0
         info = await client.info("nobody")
         assert (info.owner, info.shared, info.waiting, info.token) == (None, 0, 0, None)
 
@@ -291,6 +300,27 @@ async def test_cancelling_a_release_still_releases(server: RunningServer) -> Non
         assert not (await observer.info("body")).locked
 
 
+async def test_cancelling_the_scope_around_the_client_still_frees_a_lease(
+    server: RunningServer,
+) -> None:
+    """The client's tasks run inside the caller's cancel scope, so they are gone when
+    that scope is cancelled; closing must still send the queued ``unlock`` (a lease
+    survives the disconnect) and must not wait for replies nobody reads."""
+    with trio.fail_after(5):
+        with trio.move_on_after(0.2):
+            async with Client(port=server.port) as client, client.lock("k", ttl=60):
+                await trio.sleep_forever()
+        with trio.move_on_after(0.2):
+            async with (
+                RateLimiter("rl", 2, port=server.port, ttl=60, wait=1) as limiter,
+                limiter.slot(),
+            ):
+                await trio.sleep_forever()
+    observer = await server.connect()
+    assert (await observer.request(b"info k")).startswith(b"200 key=k exclusive=- ")
+    assert b" shared=0 " in await observer.request(b"info rl")
+
+
 async def test_silent_server_raises_reply_timeout_instead_of_hanging(
     nursery: trio.Nursery, mock_clock: trio.testing.MockClock
 ) -> None:
@@ -405,3 +435,48 @@ async def test_mutual_tls_and_auth_token(
     async with Client(port=port, ssl_context=context) as anonymous:
         with pytest.raises(AuthError):
             await anonymous.acquire("secure")
+
+
+# ---------------------------------------------------------------- the sans-IO core
+
+
+def abandoned_after_a_long_wait(kind: str, core: ClientCore) -> Operation[Hold]:
+    """Start a waiting acquire at t=0 and answer all its requests at t=25."""
+    if kind == "lock":
+        op = core.lock("k", 0.0, 30, None, None)
+        replies = b"200 Acquired\r\n200 7\r\n"
+    elif kind == "shared":
+        op = core.shared("k", 0.0, None, 30, None, None)
+        replies = b"200 1\r\n"
+    else:
+        op = core.mlock(["k", "j"], 0.0, 30, None, None)
+        replies = b"200 Acquired\r\n200 7\r\n200 8\r\n"
+    core.data_to_send()
+    core.receive(replies, 25.0)
+    return op
+
+
+@pytest.mark.parametrize("kind", ["lock", "shared", "mlock"])
+def test_abandoning_after_a_long_granted_wait_keeps_the_connection(kind: str) -> None:
+    """The undo is due a reply timeout after *now*, not after the acquire was made:
+    a cancel that comes 25 s into a granted wait must not time out the connection."""
+    core = ClientCore(threading.Event, reply_timeout=10)
+    op = abandoned_after_a_long_wait(kind, core)
+    op.abandon(25.0)
+    assert core.data_to_send().startswith(b"unlock")
+    assert [request.deadline for request in core.pending] == [35.0] * len(core.pending)
+    core.tick(25.1)
+    assert core.error is None
+
+
+@pytest.mark.parametrize(
+    "line", [b" d", b"d\tk", b"\td", b"d \r", b"  dump\tshared", b"stats\t", b"\t q "]
+)
+def test_multiline_verbs_are_found_as_the_server_finds_them(line: bytes) -> None:
+    core = ClientCore(threading.Event)
+    op = core.simple(line, 0.0, parse_lines)
+    ping = core.simple(b"ping", 0.0, parse_ok(b"200 PONG"))
+    core.receive(b"k: 127.0.0.1:1\r\nj: 127.0.0.1:2\r\nEND\r\n200 PONG\r\n", 1.0)
+    assert core.error is None
+    assert op.finish() == [b"k: 127.0.0.1:1", b"j: 127.0.0.1:2"]
+    ping.finish()

@@ -6,7 +6,11 @@ as a real process, because signals, exit codes and child processes are the point
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
+import pty
 import signal
 import subprocess
 import sys
@@ -174,6 +178,111 @@ def test_signals_are_forwarded_to_the_command(port: int, tmp_path: Path) -> None
     assert (tmp_path / "child.signal").read_text() == "SIGUSR1"
     with BlockingClient(port=port) as client:
         assert not client.info("ctl-signal").locked
+
+
+CHILD_COUNTING_SIGINT = """\
+import signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+seen = []
+signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+out.write_text("ready")
+while not seen:
+    time.sleep(0.01)
+time.sleep(1)  # room for a second SIGINT, if one comes
+sys.exit(40 + len(seen))
+"""
+
+
+def test_sigint_is_forwarded_outside_a_terminal(port: int, tmp_path: Path) -> None:
+    """cron, scripts, ``kill -INT``: only elockctl gets the signal, so it passes it on.
+    (A new session has no terminal, whatever the one running the tests is.)"""
+    ready = tmp_path / "child.ready"
+    process = subprocess.Popen(
+        [*elockctl(port, "lock", "ctl-int", "--"), *python(CHILD_COUNTING_SIGINT, ready)],
+        start_new_session=True,
+    )
+    wait_for_file(ready)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=10) == 41  # the command saw SIGINT once
+    with BlockingClient(port=port) as client:
+        assert not client.info("ctl-int").locked
+
+
+# Make the pty on stdin the controlling terminal of a new session, then run Python.
+ATTACH_TTY = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def test_ctrl_c_on_a_terminal_reaches_the_command_once(port: int, tmp_path: Path) -> None:
+    """The terminal sends Ctrl-C to the whole foreground group, COMMAND included:
+    elockctl must not forward it as well."""
+    master, slave = pty.openpty()
+    ready = tmp_path / "child.ready"
+    try:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                ATTACH_TTY,
+                *elockctl(port, "lock", "ctl-tty", "--")[1:],
+                *python(CHILD_COUNTING_SIGINT, ready),
+            ],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+        )
+        os.close(slave)
+        slave = -1
+        wait_for_file(ready)
+        os.write(master, b"\x03")  # Ctrl-C
+        assert process.wait(timeout=10) == 41, "the command did not see SIGINT exactly once"
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    with BlockingClient(port=port) as client:
+        assert not client.info("ctl-tty").locked
+
+
+def test_only_terminal_signals_in_the_foreground_are_not_forwarded() -> None:
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        assert ctl.should_forward(signum, lambda: True)
+        assert ctl.should_forward(signum, lambda: False)
+    for signum in (signal.SIGINT, signal.SIGQUIT):
+        assert not ctl.should_forward(signum, lambda: True)
+        assert ctl.should_forward(signum, lambda: False)
+    asked: list[bool] = []
+    assert ctl.should_forward(signal.SIGTERM, lambda: asked.append(True) or True)
+    assert asked == [], "the terminal is asked about INT and QUIT only"
+
+
+def test_in_terminal_foreground(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tty = tmp_path / "tty"
+    tty.write_text("")
+    monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp())
+    assert ctl.in_terminal_foreground(str(tty))
+    monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp() + 1)
+    assert not ctl.in_terminal_foreground(str(tty))  # a background job
+
+    def not_a_tty(fd: int) -> int:
+        raise OSError(errno.ENOTTY, "not a tty")
+
+    monkeypatch.setattr(os, "tcgetpgrp", not_a_tty)
+    assert not ctl.in_terminal_foreground(str(tty))
+    # No controlling terminal: standard input is asked instead, if there is one.
+    missing = str(tmp_path / "missing")
+    monkeypatch.setattr(sys, "stdin", io.StringIO())  # fileno() raises
+    assert not ctl.in_terminal_foreground(missing)
+    monkeypatch.setattr(sys, "stdin", None)
+    assert not ctl.in_terminal_foreground(missing)
+    with open(tty) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp() if fd == stdin.fileno() else 0)
+        assert ctl.in_terminal_foreground(missing)
 
 
 def test_the_command_is_terminated_when_the_lock_is_lost(tmp_path: Path) -> None:

@@ -277,7 +277,7 @@ class BlockingClient:
                         self.core.fail(ConnectionLost("the client's I/O thread stopped"), 0.0)
         except BaseException:
             with self._lock:
-                op.abandon()
+                op.abandon(self._now())
             self._wake()
             raise
         try:

@@ -92,7 +92,7 @@ class Request:
         on_reply: Callable[[Request], None] | None = None,
     ) -> None:
         self.line = line
-        self.multiline = line.split(b" ", 1)[0] in MULTILINE_VERBS
+        self.multiline = request_verb(line) in MULTILINE_VERBS
         self.deadline = deadline
         self.event = event
         self.on_reply = on_reply
@@ -114,6 +114,24 @@ class Request:
         """The reply's leading integer (-1 when there is none)."""
         head = self.reply.split(b" ", 1)[0]
         return int(head) if head.isdigit() else -1
+
+
+def request_verb(line: bytes) -> bytes:
+    """The verb of a request line, found the way the server finds it: a final ``\\r``
+    and outer blanks dropped, the verb ending at the first space or tab.
+
+    Whether a reply is one line or several depends on the verb alone, so reading
+    ``" d"`` or ``"d\\tk"`` differently from the server would take one line of a
+    multi-line reply as the whole of it and match every later reply to the wrong
+    request.
+    """
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    line = line.strip(b" \t")
+    for cut, char in enumerate(line):
+        if char in b" \t":
+            return line[:cut]
+    return line
 
 
 class Hold:
@@ -192,7 +210,12 @@ class LockInfo:
 
 class Operation(Generic[T]):
     """Requests already queued, how to turn their replies into a result, and what to
-    queue if the caller gives up before the result is in."""
+    queue if the caller gives up before the result is in.
+
+    ``abandon(now)`` takes the time of the giving up, not of the operation's start:
+    the undo it queues gets its reply deadline from ``now``, and a start time from
+    before a long wait would put that deadline in the past.
+    """
 
     __slots__ = ("abandon", "finish", "requests")
 
@@ -200,14 +223,18 @@ class Operation(Generic[T]):
         self,
         requests: list[Request],
         finish: Callable[[], T],
-        abandon: Callable[[], None] | None = None,
+        abandon: Callable[[float], None] | None = None,
     ) -> None:
         self.requests = requests
         self.finish = finish
-        self.abandon = abandon or _nothing
+        self.abandon = abandon or _abandon_nothing
 
 
 def _nothing() -> None:
+    return None
+
+
+def _abandon_nothing(now: float) -> None:
     return None
 
 
@@ -365,7 +392,7 @@ class ClientCore:
         if self.error is not None:
             return
         if self.pending and now >= self.pending[0].deadline:
-            late = self.pending[0].line.split(b" ", 1)[0].decode(errors="replace")
+            late = request_verb(self.pending[0].line).decode(errors="replace")
             self.fail(ReplyTimeout(f"no reply to {late!r} in time"), now)
             return
         for hold in list(dict.fromkeys(self.holds.values())):
@@ -466,10 +493,10 @@ class ClientCore:
             self._track(hold, lock, now, bool(wait))
             return hold
 
-        def abandon() -> None:
+        def abandon(at: float) -> None:
             self._busy.discard(raw)
             if self.error is None:
-                self.submit(b"unlock %s" % raw, now)
+                self.submit(b"unlock %s" % raw, at)
 
         return Operation([lock, token], finish, abandon)
 
@@ -513,10 +540,10 @@ class ClientCore:
             self._track(hold, request, now, bool(wait))
             return hold
 
-        def abandon() -> None:
+        def abandon(at: float) -> None:
             self._busy.discard(raw)
             if self.error is None:
-                self.submit(b"unlock_shared %s" % raw, now)
+                self.submit(b"unlock_shared %s" % raw, at)
 
         return Operation([request], finish, abandon)
 
@@ -562,11 +589,11 @@ class ClientCore:
             self._track(hold, request, now, bool(wait))
             return hold
 
-        def abandon() -> None:
+        def abandon(at: float) -> None:
             self._busy.difference_update(raws)
             if self.error is None:
                 for raw in raws:
-                    self.submit(b"unlock %s" % raw, now)
+                    self.submit(b"unlock %s" % raw, at)
 
         return Operation([request, *tokens], finish, abandon)
 

@@ -5,6 +5,11 @@ reader (replies to waiting requests), a writer (drains the output buffer) and a
 timer (lease renewals and reply deadlines). Caller tasks only queue requests and
 wait for their events, so any number of tasks can share one client and their
 requests are pipelined on the one connection.
+
+Closing does not rely on those tasks: they run in the caller's nursery, so a cancel
+scope around ``async with Client(...)`` kills them before ``aclose()`` runs. The
+close stops them and writes the last requests (queued releases, ``unlock_all``,
+``quit``) on the stream itself, shielded and bounded by :data:`CLOSE_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ from elockd.client.errors import ConnectFailed, ConnectionLost, ElockError
 log = logging.getLogger("elockd.client")
 T = TypeVar("T")
 OnLost = Callable[[Hold], object] | None
+#: Seconds (at most; never more than the reply timeout) that closing may spend
+#: sending the last requests and waiting for the reply to ``quit``. Short, because
+#: a close often runs because the caller was cancelled and wants to be gone.
+CLOSE_TIMEOUT = 2.0
 
 
 class Client:
@@ -72,6 +81,13 @@ class Client:
         self.core = ClientCore(trio.Event, reply_timeout)
         self._stream: trio.abc.Stream | None = None
         self._scopes: list[trio.CancelScope] = []
+        self._tasks_done: list[trio.Event] = []
+        self._closing = False
+        # Bytes the writer took from the core and has not finished sending; and
+        # whether a send_all was interrupted, which leaves the byte stream in an
+        # unknown state (part of a line may be out), so nothing more may be written.
+        self._unsent = b""
+        self._send_broken = False
         self._send_ready = trio.Event()
         self._timer_changed = trio.Event()
         self._exit_stack: AsyncExitStack | None = None
@@ -111,9 +127,10 @@ class Client:
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError) as error:
             raise ConnectFailed(f"cannot connect to {self._where()}: {error!r}") from error
         for task in (self._reader, self._writer, self._timer):
-            scope = trio.CancelScope()
+            scope, done = trio.CancelScope(), trio.Event()
             self._scopes.append(scope)
-            nursery.start_soon(self._guarded, task, scope)
+            self._tasks_done.append(done)
+            nursery.start_soon(self._guarded, task, scope, done)
         if self.auth_token is not None:
             line = core.auth_line(self.auth_token)
             try:
@@ -150,34 +167,71 @@ class Client:
         """Close the connection. With ``release`` (the default) the server is first
         told to free everything this session holds, leases included; without it
         only plain holds are freed (by the disconnect) and leases stay for a
-        :meth:`resume` until they run out."""
-        if self._stream is None:
+        :meth:`resume` until they run out.
+
+        Safe to call from a cancelled scope: the background tasks may already be
+        dead (they run in the caller's nursery), so this stops them and, shielded
+        and within :data:`CLOSE_TIMEOUT`, writes what is still queued (say a
+        cancelled block's ``unlock``) plus ``unlock_all``/``quit`` on the stream
+        itself, then reads replies up to the one to ``quit``: the server runs one
+        connection's requests in order, so by then it has run them all. If that
+        takes longer, the connection is just closed (which frees plain holds).
+        """
+        if self._stream is None or self._closing:
             return
+        self._closing = True
+        stream = self._stream
         # Holds still open are over either way; say so before the server's EOF does.
         self.core.close_holds("the client was closed", self._now())
-        if self.core.error is None:
-            with trio.move_on_after(self.core.reply_timeout) as scope:
-                scope.shield = True
-                lines = [b"unlock_all", b"quit"] if release else [b"quit"]
-                requests = [self.core.submit(line, self._now()) for line in lines]
-                self._send_ready.set()
-                for request in requests:
-                    await request.event.wait()  # type: ignore[attr-defined]
+        with trio.move_on_after(min(CLOSE_TIMEOUT, self.core.reply_timeout)) as scope:
+            scope.shield = True
+            for task_scope in self._scopes:
+                task_scope.cancel()
+            for done in self._tasks_done:
+                await done.wait()
+            if self.core.error is None and self._send_broken:
+                log.warning("closing %s: a send was interrupted, no goodbye", self._where())
+            elif self.core.error is None:
+                await self._say_goodbye(stream, release)
+        if scope.cancelled_caught:
+            log.warning("closing %s: no goodbye from the server in time", self._where())
         self.core.fail(ConnectionLost("the client was closed"), self._now())
         self._fire_lost()
-        for scope in self._scopes:
-            scope.cancel()
-        stream, self._stream = self._stream, None
+        self._stream = None
         await trio.aclose_forcefully(stream)
+
+    async def _say_goodbye(self, stream: trio.abc.Stream, release: bool) -> None:
+        """With the background tasks stopped: send every queued request and the final
+        ones, then read replies (they still complete waiting requests) until none is
+        outstanding."""
+        for line in [b"unlock_all", b"quit"] if release else [b"quit"]:
+            self.core.submit(line, self._now())
+        data, self._unsent = self._unsent + self.core.data_to_send(), b""
+        try:
+            await stream.send_all(data)
+            while self.core.pending:
+                received = await stream.receive_some(65536)
+                if not received:
+                    break
+                self.core.receive(bytes(received), self._now())
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            log.debug("closing %s: %r", self._where(), error)
 
     # ------------------------------------------------------------ background tasks
 
-    async def _guarded(self, task: Callable[[], Any], scope: trio.CancelScope) -> None:
-        with scope:
-            try:
-                await task()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
-                self._lose_connection(ConnectionLost(f"connection to {self._where()}: {error}"))
+    async def _guarded(
+        self, task: Callable[[], Any], scope: trio.CancelScope, done: trio.Event
+    ) -> None:
+        """Run a background task; ``done`` tells :meth:`aclose` that it no longer
+        touches the stream, however it ended (cancelled by the caller's scope too)."""
+        try:
+            with scope:
+                try:
+                    await task()
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+                    self._lose_connection(ConnectionLost(f"connection to {self._where()}: {error}"))
+        finally:
+            done.set()
 
     async def _reader(self) -> None:
         assert self._stream is not None
@@ -192,12 +246,19 @@ class Client:
     async def _writer(self) -> None:
         assert self._stream is not None
         while True:
-            data = self.core.data_to_send()
-            if not data:
+            self._unsent += self.core.data_to_send()
+            if not self._unsent:
                 self._send_ready = trio.Event()
                 await self._send_ready.wait()
                 continue
-            await self._stream.send_all(data)
+            # A cancel that is already due stops us here, before a byte is out, so
+            # aclose can still send the whole buffer; past this point (no checkpoint
+            # until the first write) an interrupted send_all may have sent part of it.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._send_broken = True
+            await self._stream.send_all(self._unsent)
+            self._unsent = b""
+            self._send_broken = False
 
     async def _timer(self) -> None:
         while True:
@@ -251,7 +312,7 @@ class Client:
                 with trio.fail_after(limit if limit is not None else math.inf):
                     await request.event.wait()  # type: ignore[attr-defined]
         except BaseException:
-            op.abandon()
+            op.abandon(self._now())
             self._after()
             raise
         try:
@@ -434,13 +495,18 @@ class RateLimiter:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        for client in self._all:
-            with trio.CancelScope(shield=True):
+        # The clients' tasks live in this limiter's nursery, inside the caller's
+        # cancel scope: after a cancel they are dead, and only Client.aclose (which
+        # shields and bounds itself and writes on the stream directly) still
+        # releases the slots, leases included.
+        try:
+            for client in self._all:
                 await client.aclose()
-        self._all.clear()
-        self._idle.clear()
-        assert self._stack is not None
-        await self._stack.aclose()
+        finally:
+            self._all.clear()
+            self._idle.clear()
+            assert self._stack is not None
+            await self._stack.aclose()
 
     @asynccontextmanager
     async def slot(self, on_lost: OnLost = None) -> AsyncIterator[Hold]:
@@ -461,5 +527,4 @@ class RateLimiter:
                 self._idle.append(client)
             else:
                 self._all.remove(client)
-                with trio.CancelScope(shield=True):
-                    await client.aclose()
+                await client.aclose()  # shielded and bounded itself
