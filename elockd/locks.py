@@ -230,8 +230,12 @@ class LockEngine:
         self.shared_orphans += len(session.shared)
         for key in session.exclusive:
             del exclusive[key]
-        for hold in session.shared.values():
-            self._unshare(hold)
+        shared = self.shared
+        for key, hold in session.shared.items():
+            if shared[key] is hold:  # the key's only holder: _unshare's common case
+                del shared[key]
+            else:
+                self._unshare(hold)
         self.shared_holders -= len(session.shared)
         freed_exclusive, freed_shared = session.exclusive, session.shared
         for is_shared, freed in ((False, freed_exclusive), (True, freed_shared)):
