@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import trio
 
 from elockd.config import Config
+from elockd.server import GC_THRESHOLDS, tune_garbage_collector
 from tests.conftest import LineClient, RunningServer
 
 SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
@@ -189,3 +191,13 @@ def test_nc_shell_probe(spawn_server: SpawnServer) -> None:
         check=True,
     )
     assert result.stdout == b"1 Got Lock\r\n1 Locked\r\n"
+
+
+def test_the_server_process_tunes_the_garbage_collector() -> None:
+    before = gc.get_threshold()
+    try:
+        tune_garbage_collector()
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert GC_THRESHOLDS[0] >= 10_000  # young collections rare enough to spare holds
+    finally:
+        gc.set_threshold(*before)
