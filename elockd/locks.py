@@ -8,8 +8,9 @@ callback, which the server points at a ``trio.Event``.
 
 Tables
     * ``exclusive``: key -> the one :class:`Hold` (``g``, ``lock``, ``mlock``).
-    * ``shared``: key -> {session: Hold} (``sg``, ``lock_shared``). A key may be held
-      both ways at once; the tables are independent, as in elockd.
+    * ``shared``: key -> its one Hold, or {session: Hold} once a second session
+      holds it (``sg``, ``lock_shared``). A key may be held both ways at once; the
+      tables are independent, as in elockd.
     * per-key FIFO queues of waiters, one set for each table.
     * one heap of deadlines (lease ends, grace ends). Entries are never removed from
       the middle; a stale entry (the lease was renewed or freed) is recognised when

@@ -321,6 +321,34 @@ async def test_cancelling_the_scope_around_the_client_still_frees_a_lease(
     assert b" shared=0 " in await observer.request(b"info rl")
 
 
+async def test_cancelling_a_rate_limiter_frees_every_slot_and_wait(
+    server: RunningServer,
+) -> None:
+    """Three leased slots and two tasks still waiting for one: after the cancel no
+    slot, lease or waiting request is left behind on the server."""
+    blocker = await server.connect()
+    assert await blocker.request(b"lock_shared full limit=1") == b"200 1"
+    with trio.fail_after(5), trio.move_on_after(0.3):
+        async with RateLimiter("rl", 3, port=server.port, ttl=60, wait=30) as limiter:
+
+            async def hold(key_limiter: RateLimiter) -> None:
+                async with key_limiter.slot():
+                    await trio.sleep_forever()
+
+            async with trio.open_nursery() as workers:
+                for _ in range(3):
+                    workers.start_soon(hold, limiter)
+                async with RateLimiter("full", 1, port=server.port, wait=30) as waiting:
+                    for _ in range(2):
+                        workers.start_soon(hold, waiting)
+                    await trio.sleep_forever()
+    stats = await blocker.stats()
+    assert (stats["leases"], stats["waiting"]) == (0, 0)
+    assert b" shared=0 " in await blocker.request(b"info rl")
+    assert b" shared=1 " in await blocker.request(b"info full")  # the blocker's own
+    assert stats["connections"] == 1  # every limiter connection is closed
+
+
 async def test_silent_server_raises_reply_timeout_instead_of_hanging(
     nursery: trio.Nursery, mock_clock: trio.testing.MockClock
 ) -> None:

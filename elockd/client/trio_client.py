@@ -497,11 +497,14 @@ class RateLimiter:
     async def __aexit__(self, *exc_info: object) -> None:
         # The clients' tasks live in this limiter's nursery, inside the caller's
         # cancel scope: after a cancel they are dead, and only Client.aclose (which
-        # shields and bounds itself and writes on the stream directly) still
-        # releases the slots, leases included.
+        # bounds itself and writes on the stream directly) still releases the
+        # slots, leases included. All of them, at once, shielded: in a cancelled
+        # scope a plain loop would stop at the first and leak the rest.
         try:
-            for client in self._all:
-                await client.aclose()
+            with trio.CancelScope(shield=True):
+                async with trio.open_nursery() as closing:
+                    for client in list(self._all):
+                        closing.start_soon(client.aclose)
         finally:
             self._all.clear()
             self._idle.clear()
