@@ -186,14 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ElockError as error:
         print(f"elockctl: {error}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # `elockctl stats | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FALSE
     except (OSError, ValueError) as error:
         print(f"elockctl: {error}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    except BrokenPipeError:  # `elockctl stats | head`: the reader left, nothing to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_FALSE
 
 
 def parse_lock_aware(

@@ -354,7 +354,9 @@ async def serve(
     files = raise_open_file_limit()
     if files < config.max_connections + 64:
         log.warning(
-            "open file limit %d is below --max-connections %d", files, config.max_connections
+            "open file limit %d is below --max-connections %d + 64 for listeners and logs",
+            files,
+            config.max_connections,
         )
     timer = DeadlineTimer(service.engine)
     try:

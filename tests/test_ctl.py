@@ -100,6 +100,19 @@ def test_stats_info_and_dump(port: int, capsys: pytest.CaptureFixture[str]) -> N
         assert "ctl-dump-shared: 127.0.0.1:" in capsys.readouterr().out
 
 
+def test_a_reader_that_leaves_early_gets_a_quiet_exit(port: int) -> None:
+    """``elockctl stats | head -1``: the pipe breaks; exit 1 without a message."""
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader has already left
+    try:
+        result = subprocess.run(
+            [*elockctl(port, "stats")], stdout=writer, stderr=subprocess.PIPE, timeout=30
+        )
+    finally:
+        os.close(writer)
+    assert (result.returncode, result.stderr) == (1, b"")
+
+
 def test_unreachable_server_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
     assert ctl.main(["--port", "1", "--connect-timeout", "1", "i", "k"]) == ctl.EXIT_ERROR
     assert "cannot connect" in capsys.readouterr().err
