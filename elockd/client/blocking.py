@@ -11,7 +11,6 @@ thread also keeps TLS safe: an ``SSLSocket`` is never read and written at once.
 from __future__ import annotations
 
 import contextlib
-import logging
 import selectors
 import socket
 import ssl
@@ -22,10 +21,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from elockd.client import core
+from elockd.client.base import ClientBase
 from elockd.client.core import (
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_REPLY_TIMEOUT,
-    ClientCore,
     Hold,
     KeyLike,
     LockInfo,
@@ -33,13 +30,12 @@ from elockd.client.core import (
 )
 from elockd.client.errors import ConnectFailed, ConnectionLost, ElockError
 
-log = logging.getLogger("elockd.client")
 T = TypeVar("T")
 OnLost = Callable[[Hold], object] | None
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
-class BlockingClient:
+class BlockingClient(ClientBase):
     """An elockd connection for ordinary (threaded) code.
 
     ::
@@ -52,24 +48,9 @@ class BlockingClient:
     too, so they must be quick and must not wait for this client.
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 9999,
-        *,
-        unix: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-        server_hostname: str | None = None,
-        auth_token: str | bytes | None = None,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
-    ) -> None:
-        self.host, self.port, self.unix = host, port, unix
-        self.ssl_context = ssl_context
-        self.server_hostname = server_hostname
-        self.auth_token = auth_token
-        self.connect_timeout = connect_timeout
-        self.core = ClientCore(threading.Event, reply_timeout)
+    make_event = threading.Event
+
+    def _init_io(self) -> None:
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -135,9 +116,6 @@ class BlockingClient:
                 sock.close()
                 raise
         return sock
-
-    def _where(self) -> str:
-        return f"unix:{self.unix}" if self.unix else f"{self.host}:{self.port}"
 
     def close(self, *, release: bool = True) -> None:
         """Close the connection; with ``release`` first free everything the session
@@ -239,13 +217,7 @@ class BlockingClient:
     def _fire_lost(self) -> None:
         with self._lock:
             lost = self.core.take_lost()
-        for hold in lost:
-            log.warning("lock %r lost: %s", hold.key, hold.lost_reason)
-            if hold.on_lost is not None:
-                try:
-                    hold.on_lost(hold)
-                except Exception:
-                    log.exception("on_lost callback of %r failed", hold.key)
+        self._report_lost(lost)
 
     @staticmethod
     def _now() -> float:

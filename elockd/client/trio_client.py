@@ -26,10 +26,8 @@ from typing import Any, TypeVar
 import trio
 
 from elockd.client import core
+from elockd.client.base import ClientBase
 from elockd.client.core import (
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_REPLY_TIMEOUT,
-    ClientCore,
     Hold,
     KeyLike,
     LockInfo,
@@ -46,7 +44,7 @@ OnLost = Callable[[Hold], object] | None
 CLOSE_TIMEOUT = 2.0
 
 
-class Client:
+class Client(ClientBase):
     """An elockd connection for trio code.
 
     ::
@@ -55,30 +53,13 @@ class Client:
             async with client.lock("nightly-backup", wait=10, ttl=30) as hold:
                 await backup(fencing_token=hold.token)
 
-    ``ssl_context`` turns on TLS (add a client certificate to it for mutual TLS);
-    ``auth_token`` is sent first when the server demands ``auth``. Every reply must
-    come within ``reply_timeout`` seconds (plus the wait the request asked for), or
-    the connection is closed with :class:`ReplyTimeout` rather than hang.
+    Settings (host, port or ``unix``, TLS, auth token, timeouts) are those of
+    :class:`~elockd.client.base.ClientBase`.
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 9999,
-        *,
-        unix: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-        server_hostname: str | None = None,
-        auth_token: str | bytes | None = None,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
-    ) -> None:
-        self.host, self.port, self.unix = host, port, unix
-        self.ssl_context = ssl_context
-        self.server_hostname = server_hostname
-        self.auth_token = auth_token
-        self.connect_timeout = connect_timeout
-        self.core = ClientCore(trio.Event, reply_timeout)
+    make_event = trio.Event
+
+    def _init_io(self) -> None:
         self._stream: trio.abc.Stream | None = None
         self._scopes: list[trio.CancelScope] = []
         self._tasks_done: list[trio.Event] = []
@@ -159,9 +140,6 @@ class Client:
                 raise
             stream = tls
         return stream
-
-    def _where(self) -> str:
-        return f"unix:{self.unix}" if self.unix else f"{self.host}:{self.port}"
 
     async def aclose(self, *, release: bool = True) -> None:
         """Close the connection. With ``release`` (the default) the server is first
@@ -289,13 +267,7 @@ class Client:
         self._fire_lost()
 
     def _fire_lost(self) -> None:
-        for hold in self.core.take_lost():
-            log.warning("lock %r lost: %s", hold.key, hold.lost_reason)
-            if hold.on_lost is not None:
-                try:
-                    hold.on_lost(hold)
-                except Exception:
-                    log.exception("on_lost callback of %r failed", hold.key)
+        self._report_lost(self.core.take_lost())
 
     @staticmethod
     def _now() -> float:
