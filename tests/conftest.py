@@ -11,10 +11,12 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+import trustme
 
 from elockd.config import Config
 from elockd.protocol import Service
@@ -136,3 +138,30 @@ def spawn_server() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]
         process.wait()
         if process.stderr:
             process.stderr.close()
+
+
+@pytest.fixture(scope="session")
+def ca() -> trustme.CA:
+    """A throwaway certificate authority for the TLS tests."""
+    return trustme.CA()
+
+
+@pytest.fixture
+def tls_files(ca: trustme.CA, tmp_path: Path) -> dict[str, str]:
+    """PEM files for a TLS lock port on 127.0.0.1 (``cert``, ``key``), the CA that
+    signed it (``ca``), a client certificate from that CA for mutual TLS
+    (``client_cert``, ``client_key``), and an auth token file (``token``)."""
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("client@example.test")
+    files = {
+        name: str(tmp_path / f"{name}.pem")
+        for name in ("cert", "key", "ca", "client_cert", "client_key")
+    }
+    server.cert_chain_pems[0].write_to_path(files["cert"])
+    server.private_key_pem.write_to_path(files["key"])
+    ca.cert_pem.write_to_path(files["ca"])
+    client.cert_chain_pems[0].write_to_path(files["client_cert"])
+    client.private_key_pem.write_to_path(files["client_key"])
+    files["token"] = str(tmp_path / "token")
+    Path(files["token"]).write_text("letmein\n")
+    return files

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,23 +93,6 @@ async def test_empty_token_file_refuses_to_start(tmp_path: Path) -> None:
     path.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         make_service(Config(auth_token_file=str(path)))
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture
-def tls_files(ca: trustme.CA, tmp_path: Path) -> Iterator[dict[str, str]]:
-    server_cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert = tmp_path / "server.pem"
-    key = tmp_path / "server.key"
-    ca_file = tmp_path / "ca.pem"
-    server_cert.cert_chain_pems[0].write_to_path(str(cert))
-    server_cert.private_key_pem.write_to_path(str(key))
-    ca.cert_pem.write_to_path(str(ca_file))
-    yield {"cert": str(cert), "key": str(key), "ca": str(ca_file)}
 
 
 async def start_tls_server(nursery: trio.Nursery, config: Config) -> int:

@@ -12,7 +12,6 @@ import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import trio
@@ -426,20 +425,10 @@ async def test_rate_limiter_caps_concurrency(
 # ---------------------------------------------------------------- TLS and auth
 
 
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
 async def test_mutual_tls_and_auth_token(
-    nursery: trio.Nursery, ca: trustme.CA, tmp_path: Path
+    nursery: trio.Nursery, ca: trustme.CA, tls_files: dict[str, str]
 ) -> None:
-    cert = ca.issue_cert("127.0.0.1")
-    files = {name: str(tmp_path / name) for name in ("cert", "key", "ca", "token")}
-    cert.cert_chain_pems[0].write_to_path(files["cert"])
-    cert.private_key_pem.write_to_path(files["key"])
-    ca.cert_pem.write_to_path(files["ca"])
-    Path(files["token"]).write_text("letmein\n")
+    files = tls_files
     config = Config(
         port=0,
         metrics_port=0,

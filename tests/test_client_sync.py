@@ -243,14 +243,8 @@ def test_lost_hold_reports_on_release(port: int) -> None:
         assert len(lost) == 1
 
 
-def test_mutual_tls_and_auth(tmp_path: Path) -> None:
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    paths = {name: str(tmp_path / name) for name in ("cert", "key", "ca", "token")}
-    cert.cert_chain_pems[0].write_to_path(paths["cert"])
-    cert.private_key_pem.write_to_path(paths["key"])
-    ca.cert_pem.write_to_path(paths["ca"])
-    Path(paths["token"]).write_text("letmein\n")
+def test_mutual_tls_and_auth(ca: trustme.CA, tls_files: dict[str, str]) -> None:
+    paths = tls_files
     process, port = start_server(
         "--tls-cert",
         paths["cert"],

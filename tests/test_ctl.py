@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trustme
 
 from elockd import ctl
 from elockd.client import BlockingClient
@@ -317,17 +316,8 @@ def test_the_command_is_terminated_when_the_lock_is_lost(tmp_path: Path) -> None
         stop_server(server)
 
 
-def test_tls_and_auth_options(tmp_path: Path) -> None:
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    paths = {name: str(tmp_path / name) for name in ("cert", "key", "ca", "token", "cc", "ck")}
-    cert.cert_chain_pems[0].write_to_path(paths["cert"])
-    cert.private_key_pem.write_to_path(paths["key"])
-    ca.cert_pem.write_to_path(paths["ca"])
-    client_cert = ca.issue_cert("ctl@example.test")
-    client_cert.cert_chain_pems[0].write_to_path(paths["cc"])
-    client_cert.private_key_pem.write_to_path(paths["ck"])
-    Path(paths["token"]).write_text("letmein\n")
+def test_tls_and_auth_options(tls_files: dict[str, str]) -> None:
+    paths = tls_files
     server, port = start_server(
         "--tls-cert",
         paths["cert"],
@@ -338,7 +328,14 @@ def test_tls_and_auth_options(tmp_path: Path) -> None:
         "--auth-token-file",
         paths["token"],
     )
-    tls = ["--tls-ca", paths["ca"], "--tls-cert", paths["cc"], "--tls-key", paths["ck"]]
+    tls = [
+        "--tls-ca",
+        paths["ca"],
+        "--tls-cert",
+        paths["client_cert"],
+        "--tls-key",
+        paths["client_key"],
+    ]
     try:
         assert run(port, *tls, "--auth-token-file", paths["token"], "g", "k") == 0
         assert run(port, *tls, "g", "k") == 1  # 0 Auth Required
