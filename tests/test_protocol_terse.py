@@ -225,3 +225,12 @@ def test_iam_who_me() -> None:
     assert b.handle(b"who nobody", 0.0) == b"END\r\n"
     assert a.handle(b"iam", 0.0) == b"1 ok\r\n"  # no name: cleared
     assert a.handle(b"me", 0.0) == b"1 10.0.0.1:1111 10.0.0.1:1111\r\n"
+
+
+def test_only_one_cr_before_the_newline_is_dropped() -> None:
+    """A key may end in \\r: send one more (``g a\\r\\r\\n`` locks ``a\\r``)."""
+    a, b = pair()
+    assert a.handle(b"g a\r\r", 0.0) == b"1 Got Lock\r\n"  # LineReader gives lines without \n
+    assert b.handle(b"i a\r", 0.0) == b"0 Not Locked\r\n"  # that is key "a"
+    assert b.handle(b"i a\r\r", 0.0) == b"1 Locked\r\n"  # and this "a\r"
+    assert a.handle(b"d", 0.0) == b"a\r: 10.0.0.1:1111\r\nEND\r\n"

@@ -211,6 +211,7 @@ BAD_REQUESTS = [
     (b"mlock", b"missing key"),
     (b"mlock a b wait=x", b"wait must be a non-negative number"),
     (b"mlock a b limit=2", b"unknown option limit"),
+    (b"mlock a b=c", b"unknown option b"),  # after the first key, '=' marks an option
     (b"renew k", b"missing ttl"),
     (b"renew", b"missing key"),
     (b"renew k ttl=-1", b"ttl must be a non-negative number"),

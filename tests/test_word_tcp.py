@@ -284,3 +284,26 @@ def test_fencing_tokens_keep_increasing_across_a_restart(spawn_server: SpawnServ
     second = token_of_a_new_grant(port)
     assert first == sorted(set(first))
     assert second > first[-1]
+
+
+async def test_quit_frees_holds_as_orphans_or_keeps_them_for_the_grace_time(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    """``quit`` ends the connection like any other end: holds follow the grace rule."""
+    watcher = await server.connect()
+    plain = await server.connect()
+    assert await plain.request(b"lock p") == b"200 Acquired"
+    assert await plain.request(b"quit") == b"200 Bye"
+    assert await plain.at_eof()
+    assert await watcher.request(b"lock p 5") == b"200 Acquired"  # freed at once
+    assert (await watcher.stats())["orphans"] == 1
+    graceful = await server.connect()
+    assert await graceful.request(b"set_timeout 10000") == b"200 timeout set"
+    assert await graceful.request(b"lock g") == b"200 Acquired"
+    session_id = (await graceful.request(b"conn_id"))[4:]
+    assert await graceful.request(b"quit") == b"200 Bye"
+    assert await graceful.at_eof()
+    assert (await info(watcher, b"g"))["exclusive"] != "-"  # kept for a takeover
+    resumed = await server.connect()
+    assert await resumed.request(b"conn_id " + session_id) == b"200 conn id set"
+    assert await resumed.request(b"unlock g") == b"200 Unlocked"
