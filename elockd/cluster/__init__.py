@@ -1,0 +1,1 @@
+"""Several elockd nodes sharing one lock space kept in etcd (``elockd --etcd``)."""

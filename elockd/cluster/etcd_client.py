@@ -1,0 +1,510 @@
+"""A small trio-native client for etcd's v3 JSON gateway (``/v3/...`` over HTTP/1.1).
+
+Why the gateway and not gRPC: the gRPC libraries are asyncio-bound or blocking, while
+httpx runs on trio through anyio, so trio cancellation and timeouts work everywhere.
+The gateway has quirks this module hides: keys and values travel as base64, int64
+values come as JSON strings (lease IDs exceed 2**53, so nothing may pass through a
+float), and fields holding their proto default (``succeeded``, ``type`` of a PUT
+event, ``TTL`` of a gone lease, ``count``) are left out of replies, meaning false/0.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+import trio
+
+_HEADERS = {"Content-Type": "application/json"}
+_OPS = {"==": "EQUAL", "!=": "NOT_EQUAL", ">": "GREATER", "<": "LESS"}
+# Error replies that say "this member cannot answer now", not "your request is wrong".
+_RETRY_CODES = {4, 14}  # grpc DEADLINE_EXCEEDED, UNAVAILABLE
+_RETRY_MARKERS = (
+    "no leader",
+    "timed out",
+    "leader changed",
+    "too many requests",
+    "not capable",
+    "deadline exceeded",  # a minority member answers 500 "context deadline exceeded", code 2
+)
+_WATCH_BACKOFF = 0.1  # between watch reconnects, so a dead cluster is not hammered
+_ROUND_BACKOFF = 0.05  # after every endpoint refused a call in a row
+
+
+class EtcdUnavailable(Exception):
+    """No endpoint gave an answer within the deadline (no quorum, all members down)."""
+
+
+class EtcdError(Exception):
+    """etcd answered with an error body; ``code`` is the grpc code, ``message`` its text."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"etcd error {code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class WatchCompacted(Exception):
+    """The watch's start revision was compacted away. Caller must resync from a fresh read."""
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"watch start revision compacted (compact_revision={compact_revision})")
+        self.compact_revision = compact_revision
+
+
+class _Retry(Exception):
+    """Internal: this attempt failed in a way another endpoint (or a later try) may not."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The ``range_end`` that makes a range cover every key starting with ``prefix``."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\0"  # etcd's "to the end of the keyspace"
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+def _with_range(body: dict[str, Any], range_end: bytes | None) -> dict[str, Any]:
+    if range_end is not None:
+        body["range_end"] = _b64(range_end)
+    return body
+
+
+def put_op(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
+    body = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        body["lease"] = str(lease)
+    return {"request_put": body}
+
+
+def range_op(
+    key: bytes,
+    range_end: bytes | None = None,
+    *,
+    count_only: bool = False,
+    limit: int = 0,
+    sort_by_create: bool = False,
+    keys_only: bool = False,
+) -> dict[str, Any]:
+    body = _with_range({"key": _b64(key)}, range_end)
+    body |= {"count_only": True} if count_only else {}
+    body |= {"keys_only": True} if keys_only else {}
+    body |= {"limit": str(limit)} if limit else {}
+    body |= {"sort_target": "CREATE", "sort_order": "ASCEND"} if sort_by_create else {}
+    return {"request_range": body}
+
+
+def delete_op(key: bytes, range_end: bytes | None = None) -> dict[str, Any]:
+    return {"request_delete_range": _with_range({"key": _b64(key)}, range_end)}
+
+
+def _compare(key: bytes, op: str, target: str, field: str, operand: str) -> dict[str, Any]:
+    if op not in _OPS:
+        raise ValueError(f"compare op must be one of {sorted(_OPS)}, not {op!r}")
+    return {"key": _b64(key), "target": target, "result": _OPS[op], field: operand}
+
+
+def compare_create(
+    key: bytes, op: str, revision: int, range_end: bytes | None = None
+) -> dict[str, Any]:
+    """With ``range_end``, ``CREATE == 0`` holds only if no key in the range exists."""
+    return _with_range(_compare(key, op, "CREATE", "create_revision", str(revision)), range_end)
+
+
+def compare_mod(key: bytes, op: str, revision: int) -> dict[str, Any]:
+    return _compare(key, op, "MOD", "mod_revision", str(revision))
+
+
+def compare_value(key: bytes, op: str, value: bytes) -> dict[str, Any]:
+    return _compare(key, op, "VALUE", "value", _b64(value))
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+    @classmethod
+    def from_json(cls, kv: dict[str, Any]) -> KeyValue:
+        return cls(
+            key=base64.b64decode(kv.get("key", "")),
+            value=base64.b64decode(kv.get("value", "")),
+            create_revision=int(kv.get("create_revision", 0)),
+            mod_revision=int(kv.get("mod_revision", 0)),
+            lease=int(kv.get("lease", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: str  # "PUT" or "DELETE"
+    kv: KeyValue
+    prev_kv: KeyValue | None
+
+    @classmethod
+    def from_json(cls, event: dict[str, Any]) -> Event:
+        prev = event.get("prev_kv")
+        return cls(
+            type=event.get("type", "PUT"),  # PUT is the enum default, so the gateway omits it
+            kv=KeyValue.from_json(event.get("kv", {})),
+            prev_kv=KeyValue.from_json(prev) if prev is not None else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    responses: list[dict[str, Any]]
+
+    def kvs(self, index: int) -> list[KeyValue]:
+        reply = self.responses[index].get("response_range", {})
+        return [KeyValue.from_json(kv) for kv in reply.get("kvs", [])]
+
+    def count(self, index: int) -> int:
+        return int(self.responses[index].get("response_range", {}).get("count", 0))
+
+
+def _revision(reply: dict[str, Any]) -> int:
+    return int(reply.get("header", {}).get("revision", 0))
+
+
+def _decode(endpoint: str, response: httpx.Response) -> dict[str, Any]:
+    """A reply body, or EtcdError / _Retry for an error reply (decided by code and text)."""
+    try:
+        body = json.loads(response.content)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        if response.status_code >= 500:
+            raise _Retry(f"{endpoint}: HTTP {response.status_code}")
+        raise EtcdError(response.status_code, response.text.strip())
+    error = body.get("error")
+    if response.status_code == 200 and not error:
+        return body
+    if isinstance(error, dict):  # an error inside a stream: {"error": {"grpc_code": ..}}
+        code, message = int(error.get("grpc_code", 2)), str(error.get("message", ""))
+    else:
+        code, message = int(body.get("code", 2)), str(body.get("message") or error or "")
+    if (
+        response.status_code >= 500
+        or code in _RETRY_CODES
+        or any(marker in message for marker in _RETRY_MARKERS)
+    ):
+        raise _Retry(f"{endpoint}: {message} (code {code})")
+    raise EtcdError(code, message)
+
+
+class EtcdClient:
+    """Calls to a set of etcd members with failover; safe to share between tasks.
+
+    Calls stick to one endpoint while it answers, and move to the next one when it
+    does not. A trio.CapacityLimiter bounds the calls in flight, because httpx's
+    shared pool loses throughput as concurrency grows. Watches are not counted there:
+    each holds one pooled connection for its whole life, hence the four spare ones.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        attempt_timeout: float = 1.0,
+        deadline: float = 3.0,
+        max_concurrent: int = 8,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is needed")
+        self.endpoints = [endpoint.rstrip("/") for endpoint in endpoints]
+        self.attempt_timeout = attempt_timeout
+        self.deadline = deadline
+        self._current = 0
+        self._limiter = trio.CapacityLimiter(max_concurrent)
+        pool = max_concurrent + 4
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(attempt_timeout),
+            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+            trust_env=False,  # endpoints are explicit; never route them through a proxy
+        )
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint calls go to now (the sticky one)."""
+        return self.endpoints[self._current]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/{path}``, failing over between endpoints until ``deadline``.
+
+        An attempt fails on a connection error, an HTTP 5xx, an error reply meaning
+        "not now" (no leader, timed out, leader changed, ...) or ``attempt_timeout``;
+        the call then moves to the next endpoint and tries again, and raises
+        EtcdUnavailable once ``deadline`` seconds have passed in all (waiting for the
+        limiter included). Any other error reply raises EtcdError at once.
+
+        A timed-out attempt may still have committed, so a retry can apply a request
+        twice. That is fine only because callers send nothing but idempotent or
+        compare-guarded requests (a txn that checks before it writes), whose second
+        application is a no-op or fails its compare; keep it that way.
+        """
+        payload = json.dumps(body).encode()
+        last = "no attempt finished"
+        failures = 0
+        with trio.move_on_after(self.deadline):
+            async with self._limiter:
+                while True:
+                    index = self._current
+                    endpoint = self.endpoints[index]
+                    last = f"{endpoint}: no answer within {self.attempt_timeout}s"
+                    with trio.move_on_after(self.attempt_timeout):
+                        try:
+                            return await self._post(endpoint, path, payload)
+                        except _Retry as exc:
+                            last = str(exc)
+                    if self._current == index:  # another task may have moved on already
+                        self._current = (index + 1) % len(self.endpoints)
+                    failures += 1
+                    if failures % len(self.endpoints) == 0:
+                        await trio.sleep(_ROUND_BACKOFF)  # every member refused: don't spin
+        raise EtcdUnavailable(f"etcd gave no answer to {path} within {self.deadline}s ({last})")
+
+    async def _post(self, endpoint: str, path: str, payload: bytes) -> dict[str, Any]:
+        try:
+            response = await self._http.post(
+                f"{endpoint}/v3/{path}", content=payload, headers=_HEADERS
+            )
+        except httpx.HTTPError as exc:
+            raise _Retry(f"{endpoint}: {exc!r}") from exc
+        return _decode(endpoint, response)
+
+    async def txn(
+        self,
+        compare: Sequence[dict[str, Any]],
+        success: Sequence[dict[str, Any]],
+        failure: Sequence[dict[str, Any]] = (),
+    ) -> TxnResult:
+        reply = await self.call(
+            "kv/txn", {"compare": list(compare), "success": list(success), "failure": list(failure)}
+        )
+        return TxnResult(
+            succeeded=bool(reply.get("succeeded", False)),
+            revision=_revision(reply),
+            responses=list(reply.get("responses", [])),
+        )
+
+    async def get(
+        self,
+        key: bytes,
+        range_end: bytes | None = None,
+        *,
+        sort_by_create: bool = False,
+        limit: int = 0,
+        count_only: bool = False,
+    ) -> tuple[int, list[KeyValue], int]:
+        """(header revision, kvs, count). Linearizable: a minority member cannot answer."""
+        op = range_op(
+            key, range_end, sort_by_create=sort_by_create, limit=limit, count_only=count_only
+        )
+        reply = await self.call("kv/range", op["request_range"])
+        kvs = [KeyValue.from_json(kv) for kv in reply.get("kvs", [])]
+        return _revision(reply), kvs, int(reply.get("count", 0))
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        return _revision(await self.call("kv/put", put_op(key, value, lease)["request_put"]))
+
+    async def delete(self, key: bytes, range_end: bytes | None = None) -> int:
+        reply = await self.call("kv/deleterange", delete_op(key, range_end)["request_delete_range"])
+        return int(reply.get("deleted", 0))
+
+    async def lease_grant(self, ttl: int) -> tuple[int, int]:
+        reply = await self.call("lease/grant", {"TTL": str(ttl)})
+        return int(reply["ID"]), int(reply.get("TTL", 0))
+
+    async def lease_keepalive(self, lease: int) -> int:
+        """Remaining TTL in seconds; 0 means the lease is gone (expired or revoked)."""
+        reply = await self.call("lease/keepalive", {"ID": str(lease)})
+        return int(reply.get("result", {}).get("TTL", 0))
+
+    async def lease_revoke(self, lease: int) -> bool:
+        """False when the lease was already gone (or a retried revoke had already won)."""
+        try:
+            await self.call("lease/revoke", {"ID": str(lease)})
+        except EtcdError as exc:
+            if exc.code == 5 or "lease not found" in exc.message:
+                return False
+            raise
+        return True
+
+    async def lease_keys(self, lease: int) -> list[bytes] | None:
+        """Keys attached to the lease, or None when the lease is gone."""
+        reply = await self.call("kv/lease/timetolive", {"ID": str(lease), "keys": True})
+        if int(reply.get("TTL", -1)) < 0:
+            return None
+        return [base64.b64decode(key) for key in reply.get("keys", [])]
+
+    async def status(self, endpoint: str) -> dict[str, Any]:
+        """``maintenance/status`` of that one member (no failover): its view of the leader."""
+        with trio.move_on_after(self.attempt_timeout):
+            async with self._limiter:
+                try:
+                    return await self._post(endpoint.rstrip("/"), "maintenance/status", b"{}")
+                except _Retry as exc:
+                    raise EtcdUnavailable(str(exc)) from exc
+        raise EtcdUnavailable(f"{endpoint}: no status within {self.attempt_timeout}s")
+
+    def watch(self, key: bytes, range_end: bytes, start_revision: int) -> Watch:
+        """Every change in [key, range_end) from ``start_revision`` on, as event batches.
+
+        ``start_revision`` 0 means "from now". Use ``async with client.watch(..) as w:
+        async for batch in w`` so the stream is closed when the consumer stops.
+        """
+        return Watch(self, key, range_end, start_revision)
+
+
+class Watch(AsyncIterator[list[Event]]):
+    """A watch that survives member failures without losing or repeating an event.
+
+    On any stream failure (connection error, EOF, an error message) it reconnects to
+    the next endpoint with ``start_revision = last + 1``, forever. ``last`` advances
+    only on revisions known to be complete: the events' own mod_revisions (etcd never
+    splits one revision across messages), the header of a progress notification
+    (sent only to watchers that are caught up), and the header of the "created"
+    reply of a watch from now. It never uses the header of an events message or of
+    a "created" reply with a start revision: while catching up, those carry the
+    store's current revision, ahead of the events delivered so far.
+
+    Limits: one consumer task; a member that hangs (SIGSTOP, silent partition) while
+    serving an open stream stalls the watch until its connection breaks, because the
+    stream has no read timeout (a watch may be idle for ever).
+    """
+
+    def __init__(self, client: EtcdClient, key: bytes, range_end: bytes, start: int) -> None:
+        self._client = client
+        self._create: dict[str, Any] = {
+            "key": _b64(key),
+            "range_end": _b64(range_end),
+            "prev_kv": True,
+            "progress_notify": True,
+        }
+        self._from_now = start <= 0
+        self.last_revision = max(start - 1, 0)  # every event up to here was delivered
+        self._index = client._current
+        self._response: httpx.Response | None = None
+        self._lines: AsyncIterator[str] | None = None
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint serving (or about to serve) the stream."""
+        return self._client.endpoints[self._index]
+
+    async def __aenter__(self) -> Watch:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await self._drop()
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> list[Event]:
+        while not self._closed:
+            try:
+                if self._lines is None:
+                    await self._connect()
+                assert self._lines is not None
+                events = self._absorb(await self._lines.__anext__())
+            except WatchCompacted:
+                await self.aclose()
+                raise
+            except (httpx.HTTPError, _Retry, StopAsyncIteration, ValueError, KeyError, TypeError):
+                await self._drop()
+                self._index = (self._index + 1) % len(self._client.endpoints)
+                await trio.sleep(_WATCH_BACKOFF)
+                continue
+            if events:
+                return events
+        raise StopAsyncIteration
+
+    async def _connect(self) -> None:
+        create = dict(self._create)
+        if not (self._from_now and self.last_revision == 0):
+            create["start_revision"] = str(self.last_revision + 1)
+        client = self._client
+        request = client._http.build_request(
+            "POST",
+            f"{self.endpoint}/v3/watch",
+            content=json.dumps({"create_request": create}).encode(),
+            headers=_HEADERS,
+            timeout=httpx.Timeout(client.attempt_timeout, read=None),
+        )
+        response: httpx.Response | None = None
+        # The headers come with the "created" reply; a hung member never sends them.
+        with trio.move_on_after(client.attempt_timeout):
+            response = await client._http.send(request, stream=True)
+        if response is None:
+            raise _Retry(f"{self.endpoint}: watch not created in time")
+        self._response = response
+        if response.status_code != 200:  # even a 4xx: the spec is "retry for ever"
+            body = (await response.aread())[:200]
+            raise _Retry(f"{self.endpoint}: watch got HTTP {response.status_code}: {body!r}")
+        self._lines = response.aiter_lines()
+
+    def _absorb(self, line: str) -> list[Event]:
+        """Events of one stream message that were not delivered yet; advances last_revision."""
+        if not line.strip():
+            return []
+        message = json.loads(line)
+        if "error" in message:
+            raise _Retry(f"{self.endpoint}: watch error {message['error']}")
+        result = message["result"]
+        if result.get("canceled"):
+            compacted = int(result.get("compact_revision", 0))
+            if compacted:
+                raise WatchCompacted(compacted)
+            raise _Retry(f"{self.endpoint}: watch canceled: {result.get('cancel_reason', '')}")
+        raw = result.get("events", [])
+        if raw:
+            events = [Event.from_json(event) for event in raw]
+            fresh = [event for event in events if event.kv.mod_revision > self.last_revision]
+            self.last_revision = max(self.last_revision, *(e.kv.mod_revision for e in events))
+            return fresh
+        if not result.get("created") or (self._from_now and self.last_revision == 0):
+            self.last_revision = max(self.last_revision, _revision(result))
+        return []
+
+    async def _drop(self) -> None:
+        lines, response = self._lines, self._response
+        self._lines = self._response = None
+        with trio.CancelScope(shield=True):
+            if lines is not None:
+                # httpx reads through a chain of async generators, and trio warns about
+                # each one collected while suspended. Resuming the chain in a cancelled
+                # scope ends every link at once: Cancelled rises from the network read.
+                with trio.CancelScope() as drain, contextlib.suppress(Exception):
+                    drain.cancel()
+                    while True:
+                        await lines.__anext__()
+            if response is not None:
+                with trio.move_on_after(self._client.attempt_timeout):
+                    await response.aclose()
