@@ -167,6 +167,10 @@ class LockEngine:
         self.shared_holders = 0
         self.sessions_in_grace = 0
 
+    def extra_counters(self) -> dict[str, int]:
+        """Backend-specific `q` counters: none for the in-memory engine."""
+        return {}
+
     # ---------------------------------------------------------------- sessions
 
     def open_session(self, session_id: str, peer: bytes) -> Session:

@@ -69,7 +69,7 @@ class ElockdCollector(Collector):
         return []
 
     def collect(self) -> Iterable[Metric]:
-        engine = self.service.engine
+        engine = self.service.backend
         counters = self.service.counters
         timings = self.service.timings
 

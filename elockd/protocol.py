@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from elockd.config import Config
 from elockd.locks import LockEngine, TooManyHolds, Waiter
 from elockd.replies import STYLES, TerseReplies
-from elockd.stats import Counters, Timings, snapshot
+from elockd.stats import Backend, Counters, Timings, snapshot
 
 LINE_TOO_LONG = b"0 Line Too Long\r\n"
 TERSE_AUTH_REQUIRED = b"0 Auth Required\r\n"
@@ -31,6 +31,15 @@ INVALID_VERB_SHOWN = 64  # bytes of an unknown verb echoed back
 
 class BadRequest(Exception):
     """Raised by a word handler for bad arguments; becomes ``400 Bad Request: …``."""
+
+
+class BackendUnavailable(Exception):
+    """The lock backend cannot decide now (etcd has no quorum): the request fails
+    closed with :data:`TERSE_UNAVAILABLE` or :data:`WORD_UNAVAILABLE`."""
+
+
+TERSE_UNAVAILABLE = b"0 Backend Unavailable\r\n"
+WORD_UNAVAILABLE = b"409 Backend Unavailable\r\n"
 
 
 class Pending:
@@ -64,19 +73,55 @@ class Pending:
         return self.on_refused(engine.cancel(self.waiter, now, timed_out=True))
 
 
-Reply = bytes | Pending
+class Deferred:
+    """A reply that needs the backend's I/O first (the etcd backend): the server
+    awaits :meth:`settle`. ``waits`` marks requests that may wait for a grant, which
+    the server abandons when the peer goes away."""
+
+    __slots__ = ("run", "waits", "word")
+
+    def __init__(self, run: Callable[[], Awaitable[bytes]], *, word: bool, waits: bool = False):
+        self.run = run
+        self.word = word
+        self.waits = waits
+
+    async def settle(self) -> bytes:
+        try:
+            return await self.run()
+        except BackendUnavailable:
+            return WORD_UNAVAILABLE if self.word else TERSE_UNAVAILABLE
+        except TooManyHolds:
+            return WORD_TOO_MANY_HOLDS if self.word else TERSE_TOO_MANY_HOLDS
+
+
+Reply = bytes | Pending | Deferred
 Handler = Callable[["Connection", bytes, float], Reply]
 
 
 class Service:
     """What every connection shares: the engine, the counters, the settings."""
 
-    def __init__(self, config: Config, engine: LockEngine, auth_token: bytes | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        engine: LockEngine,
+        auth_token: bytes | None = None,
+        *,
+        backend: Backend | None = None,
+        commands: dict[bytes, Handler] | None = None,
+    ) -> None:
+        """``engine`` answers the lock verbs of the default command table. A cluster
+        node passes its ``backend`` and the ``commands`` that use it; ``engine``
+        then only stands idle."""
         from elockd.commands import COMMANDS, WORD_VERBS
 
         self.config = config
         self.engine = engine
-        self.commands: dict[bytes, Handler] = COMMANDS
+        self.backend: Backend = engine if backend is None else backend
+        self.commands: dict[bytes, Handler] = COMMANDS if commands is None else commands
+        # Runs beside the listeners for the server's lifetime (the cluster's watch
+        # and keepalives), started before the first connection is accepted.
+        self.background: Callable[..., Awaitable[None]] | None = None
         self.word_verbs = WORD_VERBS
         self.replies: TerseReplies = STYLES[config.replies]
         self.counters = Counters(list(COMMANDS))
@@ -89,14 +134,14 @@ class Service:
         # Before `auth` succeeds a connection dispatches through this table, where
         # every verb but `auth` is refused: no per-request check on the hot path.
         self.unauthenticated_commands: dict[bytes, Handler] = {
-            verb: _refuse_word if verb in WORD_VERBS else _refuse_terse for verb in COMMANDS
+            verb: _refuse_word if verb in WORD_VERBS else _refuse_terse for verb in self.commands
         }
-        self.unauthenticated_commands[b"auth"] = COMMANDS[b"auth"]
+        self.unauthenticated_commands[b"auth"] = self.commands[b"auth"]
 
     def feed_timings(self) -> None:
         """Point the engine's wait and hold hooks at :attr:`timings` (unless the
         caller wired its own)."""
-        engine = self.engine
+        engine = self.backend
         if engine.on_wait_end is None:
             engine.on_wait_end = self.timings.wait_ended
         if engine.on_hold_end is None:
@@ -104,7 +149,7 @@ class Service:
             engine.on_holds_end = self.timings.holds_ended
 
     def snapshot(self) -> dict[str, int]:
-        return snapshot(self.engine, self.counters)
+        return snapshot(self.backend, self.counters)
 
     def new_session_id(self) -> str:
         """128 random bits from the OS CSPRNG: a session id is a bearer secret."""
@@ -115,6 +160,7 @@ class Connection:
     """One client connection: its session, its name, and request dispatch."""
 
     __slots__ = (
+        "abort",
         "closing",
         "command_counts",
         "commands",
@@ -130,9 +176,11 @@ class Connection:
         self.engine = service.engine
         self.replies = service.replies
         self.peer = peer
-        self.session = service.engine.open_session(service.new_session_id(), peer)
+        self.session = service.backend.open_session(service.new_session_id(), peer)
         self.session.grace = service.config.grace_ms / 1000
         self.closing = False  # set by `quit` and a failed `auth`: close after this reply
+        # Set by the server: ends this connection (the backend lost its session).
+        self.abort: Callable[[], None] | None = None
         self.command_counts = service.counters.commands
         self.commands = (
             service.commands if service.auth_token is None else service.unauthenticated_commands
@@ -185,7 +233,7 @@ class Connection:
         if self in self.service.connections:
             self.service.connections.discard(self)
             self.service.counters.connections -= 1
-            self.engine.disconnect(self.session, now)
+            self.service.backend.disconnect(self.session, now)
 
 
 def _split_carefully(line: bytes) -> tuple[bytes, bytes]:

@@ -29,7 +29,8 @@ from elockd.config import Config
 from elockd.framing import LineReader
 from elockd.locks import LockEngine
 from elockd.metrics import serve_metrics
-from elockd.protocol import Connection, Pending, Service
+from elockd.protocol import Connection, Deferred, Pending, Service
+from elockd.stats import Backend
 from elockd.transport import SocketTransport, StreamTransport, Transport
 
 log = logging.getLogger("elockd")
@@ -57,49 +58,62 @@ async def serve_connection(service: Service, transport: Transport, peer: bytes) 
     reader = LineReader(service.config.max_line)
     idle_timeout = service.config.idle_timeout
     try:
-        while not conn.closing:
-            if idle_timeout is None:
-                data = await transport.receive()
-            else:
-                data = b""  # stays empty when the idle timeout ends the connection
-                with trio.move_on_after(idle_timeout):
-                    data = await transport.receive()
-            if not data:
-                break
-            now = trio.current_time()
-            replies: list[bytes] = []
-            buffered = 0
-            for line in reader.feed(data):
-                reply = conn.handle(line, now)
-                if type(reply) is not bytes:
-                    assert isinstance(reply, Pending)
-                    if replies:
-                        await transport.send(b"".join(replies))
-                        replies.clear()
-                    final = await wait_for_grant(reply, transport)
-                    if final is None:  # the peer left while waiting
-                        return
-                    reply = final
-                    now = trio.current_time()
-                replies.append(reply)
-                if conn.closing:
-                    break
-                buffered += len(reply)
-                if buffered >= REPLY_FLUSH_BYTES:
-                    # Backpressure from a client that does not read starts here, and
-                    # the checkpoint lets other connections run between batches.
-                    await transport.send(b"".join(replies))
-                    replies.clear()
-                    buffered = 0
-                    await trio.lowlevel.checkpoint()
-                    now = trio.current_time()
-            if replies:
-                await transport.send(b"".join(replies))
+        # The backend may end the connection (its session was lost) through abort.
+        with trio.CancelScope() as ended:
+            conn.abort = ended.cancel
+            await _serve_requests(conn, reader, transport, idle_timeout)
     except trio.BrokenResourceError:
         pass  # the peer is gone; nothing to tell it
     finally:
         conn.close(trio.current_time())
         await transport.aclose()
+
+
+async def _serve_requests(
+    conn: Connection, reader: LineReader, transport: Transport, idle_timeout: float | None
+) -> None:
+    """Read, answer and write until the peer leaves or asks to close."""
+    while not conn.closing:
+        if idle_timeout is None:
+            data = await transport.receive()
+        else:
+            data = b""  # stays empty when the idle timeout ends the connection
+            with trio.move_on_after(idle_timeout):
+                data = await transport.receive()
+        if not data:
+            break
+        now = trio.current_time()
+        replies: list[bytes] = []
+        buffered = 0
+        for line in reader.feed(data):
+            reply = conn.handle(line, now)
+            if type(reply) is not bytes:
+                if replies:
+                    await transport.send(b"".join(replies))
+                    replies.clear()
+                if isinstance(reply, Pending):
+                    final = await wait_for_grant(reply, transport)
+                else:
+                    assert isinstance(reply, Deferred)
+                    final = await settle_deferred(reply, transport)
+                if final is None:  # the peer left while waiting
+                    return
+                reply = final
+                now = trio.current_time()
+            replies.append(reply)
+            if conn.closing:
+                break
+            buffered += len(reply)
+            if buffered >= REPLY_FLUSH_BYTES:
+                # Backpressure from a client that does not read starts here, and
+                # the checkpoint lets other connections run between batches.
+                await transport.send(b"".join(replies))
+                replies.clear()
+                buffered = 0
+                await trio.lowlevel.checkpoint()
+                now = trio.current_time()
+        if replies:
+            await transport.send(b"".join(replies))
 
 
 async def wait_for_grant(pending: Pending, transport: Transport) -> bytes | None:
@@ -128,6 +142,28 @@ async def wait_for_grant(pending: Pending, transport: Transport) -> bytes | None
     return pending.finish(trio.current_time())
 
 
+async def settle_deferred(deferred: Deferred, transport: Transport) -> bytes | None:
+    """The reply of a request the backend answers with I/O. A request that may wait
+    is abandoned (None) when the peer goes away, as :func:`wait_for_grant` does."""
+    if not deferred.waits:
+        return await deferred.settle()
+    reply: bytes | None = None
+
+    async def settle() -> None:
+        nonlocal reply
+        reply = await deferred.settle()
+        nursery.cancel_scope.cancel()
+
+    async def watch_peer() -> None:
+        await transport.watch_for_close()
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(settle)
+        nursery.start_soon(watch_peer)
+    return reply
+
+
 class DeadlineTimer:
     """One task that runs the engine's lease and grace deadlines exactly on time.
 
@@ -135,7 +171,7 @@ class DeadlineTimer:
     deadline comes before that, so there is no polling and no scan.
     """
 
-    def __init__(self, engine: LockEngine) -> None:
+    def __init__(self, engine: Backend) -> None:
         self.engine = engine
         self._changed = trio.Event()
         engine.on_new_deadline = self._poke
@@ -333,7 +369,30 @@ def make_service(config: Config) -> Service:
         first_token=time.time_ns(), max_waiters=config.max_waiters, max_holds=config.max_holds
     )
     token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
+    if config.etcd:
+        return make_cluster_service(config, engine, token)
     return Service(config, engine, auth_token=token)
+
+
+def make_cluster_service(config: Config, engine: LockEngine, token: bytes | None) -> Service:
+    """A node of a cluster: locks live in etcd; ``engine`` stays idle."""
+    from elockd.cluster.commands import CLUSTER_COMMANDS
+    from elockd.cluster.etcd_client import EtcdClient
+    from elockd.cluster.space import ClusterLockSpace
+
+    assert config.etcd
+    endpoints = [url.strip() for url in config.etcd.split(",") if url.strip()]
+    client = EtcdClient(endpoints, deadline=config.etcd_timeout)
+    space = ClusterLockSpace(
+        client,
+        config.etcd_prefix.encode(),
+        session_ttl=config.session_ttl,
+        max_waiters=config.max_waiters,
+        max_holds=config.max_holds,
+    )
+    service = Service(config, engine, token, backend=space, commands=CLUSTER_COMMANDS)
+    service.background = space.run
+    return service
 
 
 async def serve(
@@ -358,9 +417,11 @@ async def serve(
             files,
             config.max_connections,
         )
-    timer = DeadlineTimer(service.engine)
+    timer = DeadlineTimer(service.backend)
     try:
         async with trio.open_nursery() as nursery:
+            if service.background is not None:
+                await nursery.start(service.background)
             nursery.start_soon(timer.run)
             if config.metrics_port:
                 # In this nursery, so the scrape reads the tables in this trio run.

@@ -13,8 +13,54 @@ exposes them to Prometheus.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sized
+from typing import TYPE_CHECKING, Protocol
 
-from elockd.locks import LockEngine
+if TYPE_CHECKING:
+    from elockd.sessions import Session
+
+
+class Backend(Protocol):
+    """What the connection layer, the timer, `q` and /metrics need from a lock
+    backend: the in-memory :class:`~elockd.locks.LockEngine`, or the etcd-backed
+    :class:`~elockd.cluster.space.ClusterLockSpace`. Verbs that take or free locks
+    go through each backend's own command handlers."""
+
+    @property
+    def sessions(self) -> Sized: ...
+    @property
+    def exclusive(self) -> Sized: ...
+    @property
+    def shared(self) -> Sized: ...
+
+    on_new_deadline: Callable[[], None] | None
+    on_hold_end: Callable[[bool, float], None] | None
+    on_holds_end: Callable[[bool, list[float]], None] | None
+    on_wait_end: Callable[[bool, float], None] | None
+
+    @property
+    def shared_holders(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def leases(self) -> int: ...
+    @property
+    def expired(self) -> int: ...
+    @property
+    def timeouts(self) -> int: ...
+    @property
+    def orphans(self) -> int: ...
+    @property
+    def shared_orphans(self) -> int: ...
+    @property
+    def sessions_in_grace(self) -> int: ...
+
+    def open_session(self, session_id: str, peer: bytes) -> Session: ...
+    def disconnect(self, session: Session, now: float) -> None: ...
+    def next_deadline(self) -> float | None: ...
+    def advance(self, now: float) -> None: ...
+    def extra_counters(self) -> dict[str, int]: ...
+
 
 #: Verbs whose ``command_<verb>`` line `q` always prints, even at 0.
 ALWAYS_SHOWN_VERBS = (b"d", b"dump", b"g", b"i", b"q", b"r", b"sd", b"sg", b"si", b"sr")
@@ -31,7 +77,7 @@ class Counters:
         self.connections = 0
 
 
-def snapshot(engine: LockEngine, counters: Counters) -> dict[str, int]:
+def snapshot(engine: Backend, counters: Counters) -> dict[str, int]:
     """Every `q` counter, sorted by name."""
     values = {
         "connections": counters.connections,
@@ -46,6 +92,7 @@ def snapshot(engine: LockEngine, counters: Counters) -> dict[str, int]:
         "shared_orphans": engine.shared_orphans,
         "timeouts": engine.timeouts,
         "waiting": engine.waiting,
+        **engine.extra_counters(),
     }
     for verb, count in counters.commands.items():
         if count or verb in ALWAYS_SHOWN_VERBS:

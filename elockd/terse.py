@@ -76,7 +76,12 @@ def cmd_q(conn: Connection, rest: bytes, now: float) -> bytes:
 
 def render_holds(holds: Iterable[Hold]) -> bytes:
     """``d``/``sd``: a ``K: OWNER`` line per hold, then END."""
-    lines = [b"%s: %s\r\n" % (hold.key, hold.session.owner) for hold in holds]
+    return render_pairs((hold.key, hold.session.owner) for hold in holds)
+
+
+def render_pairs(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """``K: OWNER`` lines for (key, owner) pairs, then END."""
+    lines = [b"%s: %s\r\n" % pair for pair in pairs]
     lines.append(END)
     return b"".join(lines)
 
