@@ -35,6 +35,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def session_ttl(text: str) -> int:
+    """etcd raises lease TTLs below its own minimum (about 1.5 election timeouts,
+    2 s at etcd's defaults) anyway; asking for less would only mislead."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError("must be at least 2 seconds")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = Config()
     parser = argparse.ArgumentParser(
@@ -128,6 +137,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="default time a dropped connection's holds stay for a conn_id takeover",
     )
     add(
+        "--etcd",
+        metavar="URL[,URL...]",
+        default=None,
+        help="keep every lock in this etcd cluster, shared with other elockd nodes "
+        "(docs/cluster.md); default: in memory, this process only",
+    )
+    add("--etcd-prefix", default=defaults.etcd_prefix, help="root of elockd's keys in etcd")
+    add(
+        "--session-ttl",
+        type=session_ttl,
+        default=defaults.session_ttl,
+        metavar="SECONDS",
+        help="with --etcd: a crashed node's locks are freed after this long",
+    )
+    add(
+        "--etcd-timeout",
+        type=positive_float,
+        default=defaults.etcd_timeout,
+        metavar="SECONDS",
+        help="with --etcd: give up on etcd after this long and reply 'Backend Unavailable'",
+    )
+    add(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         default=defaults.log_level,
@@ -150,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    # httpx logs every etcd request at INFO: thousands a second on a cluster node.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         trio.run(run_until_signal, config)
     except (OSError, ValueError) as error:

@@ -27,3 +27,8 @@ class Config:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     log_level: str = "info"
+    # The etcd backend (docs/cluster.md): off unless --etcd names endpoints.
+    etcd: str | None = None
+    etcd_prefix: str = "/elockd/"
+    session_ttl: int = 5
+    etcd_timeout: float = 3.0

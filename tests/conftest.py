@@ -21,6 +21,8 @@ import trustme
 from elockd.config import Config
 from elockd.protocol import Service
 from elockd.server import make_service, serve
+from tests.cluster_nodes import Nodes
+from tests.etcd_cluster import EtcdCluster
 
 
 @pytest.fixture
@@ -165,3 +167,26 @@ def tls_files(ca: trustme.CA, tmp_path: Path) -> dict[str, str]:
     files["token"] = str(tmp_path / "token")
     Path(files["token"]).write_text("letmein\n")
     return files
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One 3-member etcd cluster per test module; a missing etcd fails, never skips."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def nodes(etcd: EtcdCluster) -> Iterator[Nodes]:
+    """A factory of elockd nodes for one test; all killed at its end, and any etcd
+    member a test killed or paused is brought back."""
+    started = Nodes(etcd)
+    try:
+        yield started
+    finally:
+        started.close()
+        etcd.heal()

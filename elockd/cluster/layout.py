@@ -1,0 +1,104 @@
+"""Where the lock space lives in etcd: one root prefix, four kinds of key.
+
+``<root>q/x/<hex key>/<lease hex>``
+    an entry in the queue of an exclusive lock (``g``, ``lock``, ``mlock``);
+``<root>q/s/<hex key>/<lease hex>``
+    an entry in the queue of a shared lock (``sg``, ``lock_shared``);
+``<root>s/<sha256 of session id>``
+    a session's record: the node serving it, whether a client is connected;
+``<root>n/<node id>``
+    a node's heartbeat, bound to a short node lease: a session whose node's
+    heartbeat is gone may be taken over (``conn_id``) on another node;
+``<root>meta/token_floor``
+    added to every etcd revision to make a fencing token (see :mod:`.space`).
+
+Queue entries are bound to their session's etcd lease, so a lost session frees
+everything at once. Lock names are hex-encoded: a ``/`` in a name can never reach
+into the layout, and any byte is allowed. A session id is a bearer secret, so only
+its hash is ever written to etcd; entries name the session by its lease id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+EXCLUSIVE = b"x"
+SHARED = b"s"
+
+
+@dataclass(frozen=True, slots=True)
+class EntryName:
+    """What an entry's etcd key says: the table, the lock name and the lease."""
+
+    kind: bytes
+    key: bytes
+    lease: int
+
+    @property
+    def queue(self) -> tuple[bytes, bytes]:
+        return self.kind, self.key
+
+
+class Layout:
+    """Builds and parses the keys under one root prefix."""
+
+    def __init__(self, root: bytes) -> None:
+        if not root.endswith(b"/"):
+            root += b"/"
+        self.root = root
+        self.queues = root + b"q/"
+        self.sessions = root + b"s/"
+        self.nodes = root + b"n/"
+        self.token_floor = root + b"meta/token_floor"
+
+    def queue_prefix(self, kind: bytes, key: bytes) -> bytes:
+        return b"%s%s/%s/" % (self.queues, kind, key.hex().encode())
+
+    def entry(self, kind: bytes, key: bytes, lease: int) -> bytes:
+        return b"%s%x" % (self.queue_prefix(kind, key), lease)
+
+    def parse_entry(self, etcd_key: bytes) -> EntryName | None:
+        """The parts of a queue entry's key; None for any other key."""
+        if not etcd_key.startswith(self.queues):
+            return None
+        parts = etcd_key[len(self.queues) :].split(b"/")
+        if len(parts) != 3 or parts[0] not in (EXCLUSIVE, SHARED):
+            return None
+        try:
+            return EntryName(parts[0], bytes.fromhex(parts[1].decode()), int(parts[2], 16))
+        except ValueError:
+            return None
+
+    def session_record(self, session_id: str) -> bytes:
+        return self.sessions + hashlib.sha256(session_id.encode()).hexdigest().encode()
+
+    def node(self, node_id: str) -> bytes:
+        return self.nodes + node_id.encode()
+
+
+def entry_value(limit: int, ttl: float | None, owner: bytes, *, held: bool = False) -> bytes:
+    """An entry's value: ``h`` once a shared entry with a limit holds (``w`` before),
+    the request's holder limit (0: none), its lease in seconds (0: none) and the
+    owner ``d`` shows. The owner goes last: it may hold blanks."""
+    return b"%s %d %r %s" % (b"h" if held else b"w", limit, ttl or 0.0, owner)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryValue:
+    held: bool
+    limit: int
+    ttl: float | None
+    owner: bytes
+
+
+def parse_entry_value(value: bytes) -> EntryValue:
+    """The parts of an entry value. A malformed one reads as a held exclusive entry
+    with no owner: it then blocks others (safe), never lets them through."""
+    parts = value.split(b" ", 3)
+    try:
+        held, limit, ttl = parts[0] == b"h", int(parts[1]), float(parts[2])
+    except (ValueError, IndexError):
+        return EntryValue(True, 1, None, b"?")
+    owner = parts[3] if len(parts) > 3 else b""
+    return EntryValue(held, limit, ttl if ttl > 0 else None, owner)

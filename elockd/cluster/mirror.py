@@ -1,0 +1,277 @@
+"""A node's copy of every lock queue, kept current by its one etcd watch.
+
+Pure: no I/O. The node loads it once from a range read and then feeds it every
+watch batch in revision order, so at :attr:`QueueMirror.revision` it equals etcd's
+queue tables at that revision. Because it is a whole state and not a stream of
+deltas, a waiter needs no registration before it enqueues: it is judged as soon as
+the mirror has reached the revision of its own entry, and again whenever an entry
+ahead of it goes away.
+
+The grant rule, the same for every node because it reads only etcd's state:
+entries in a queue are ordered by ``create_revision`` (the revision of the txn that
+enqueued them).
+
+* An exclusive entry holds the lock when it is first in every queue it is in
+  (``mlock``). Every waits-for edge points from a younger revision to an older
+  one, so multi-key waiters cannot deadlock.
+* A shared entry without a limit (``sg``) holds from the start.
+* A shared entry with ``limit=N`` may be granted when every older entry with a
+  limit holds (no overtaking) and fewer than N entries hold. Its node then marks
+  it held in etcd (``h`` in its value) before it answers. The mark makes the grant
+  a fact every node reads alike, also a node that joins later: "the entries ahead
+  hold" alone is not enough, since an ``sg`` that arrives later holds too. While an
+  older limited entry waits, no younger one can be granted, so at the moment of a
+  grant the entries that hold are exactly the marked and the unlimited ones.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from elockd.cluster.etcd_client import Event, KeyValue
+from elockd.cluster.layout import SHARED, EntryValue, Layout, parse_entry_value
+
+QueueId = tuple[bytes, bytes]  # (kind, lock name)
+
+WAITING = 0
+GRANTED = 1
+LOST = 2  # its entry vanished before the grant (session lease lost)
+CANCELLED = 3
+
+
+class Entry:
+    """One queue entry as the mirror knows it."""
+
+    __slots__ = ("etcd_key", "held", "lease", "limit", "owner", "revision", "ttl")
+
+    def __init__(self, etcd_key: bytes, revision: int, lease: int, value: EntryValue) -> None:
+        self.etcd_key = etcd_key
+        self.revision = revision
+        self.lease = lease
+        self.limit = value.limit
+        self.held = value.held
+        self.ttl = value.ttl
+        self.owner = value.owner
+
+    @property
+    def holds_shared(self) -> bool:
+        return self.limit == 0 or self.held
+
+
+class Queue:
+    """The entries of one lock, oldest first."""
+
+    __slots__ = ("entries", "revisions")
+
+    def __init__(self) -> None:
+        self.revisions: list[int] = []
+        self.entries: dict[int, Entry] = {}
+
+    def add(self, entry: Entry) -> None:
+        if entry.revision not in self.entries:
+            insort(self.revisions, entry.revision)
+        self.entries[entry.revision] = entry
+
+    def remove(self, revision: int) -> None:
+        if self.entries.pop(revision, None) is not None:
+            del self.revisions[bisect_left(self.revisions, revision)]
+
+    def granted(self) -> Iterator[Entry]:
+        """The entries of a shared queue that hold it."""
+        return (e for e in self.entries.values() if e.holds_shared)
+
+    def waiting(self) -> int:
+        return sum(1 for e in self.entries.values() if not e.holds_shared)
+
+    def may_grant_shared(self, revision: int, limit: int) -> bool:
+        """May the shared entry at ``revision`` with ``limit`` be granted now?"""
+        entries = self.entries
+        return may_grant_shared(
+            [(r, entries[r].limit, entries[r].held) for r in self.revisions], revision, limit
+        )
+
+
+def may_grant_shared(queue: Sequence[tuple[int, int, bool]], revision: int, limit: int) -> bool:
+    """The rule for a shared entry with a limit, over a queue of (revision, limit,
+    held): every older limited entry holds, and fewer than ``limit`` others hold
+    (marked held, or unlimited)."""
+    holding = 0
+    for other, other_limit, held in queue:
+        if other == revision:
+            continue
+        if other < revision and other_limit and not held:
+            return False
+        if held or other_limit == 0:
+            holding += 1
+    return holding < limit
+
+
+class ClusterWaiter:
+    """A request whose entries are in etcd and that waits for the mirror to grant it.
+
+    ``revision`` is 0 until the enqueue txn has answered. ``wake`` is called once,
+    when the state leaves WAITING for GRANTED or LOST.
+    """
+
+    __slots__ = ("limit", "queues", "revision", "state", "wake")
+
+    def __init__(self, queues: list[QueueId], limit: int) -> None:
+        self.queues = queues
+        self.limit = limit
+        self.revision = 0
+        self.state = WAITING
+        self.wake: Callable[[], None] | None = None
+
+
+class QueueMirror:
+    """Every queue entry under a layout's root, as of :attr:`revision`."""
+
+    def __init__(self, layout: Layout, on_other: Callable[[Event], None] | None = None) -> None:
+        self.layout = layout
+        self.revision = 0
+        self.queues: dict[QueueId, Queue] = {}
+        self._located: dict[bytes, tuple[QueueId, int]] = {}  # etcd key -> where it is
+        self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
+        self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
+        self.on_other = on_other  # events on keys that are not queue entries
+
+    # ------------------------------------------------------------------ state
+
+    def load(self, revision: int, kvs: Iterable[KeyValue]) -> None:
+        """Start over from a range read at ``revision``, then judge every waiter."""
+        self.queues.clear()
+        self._located.clear()
+        self.revision = revision
+        for kv in kvs:
+            self._put(kv)
+        for waiters in list(self._waiters.values()):
+            for waiter in list(waiters):
+                self._judge(waiter)
+        self._unpark()
+
+    def apply(self, events: list[Event]) -> None:
+        """One watch batch, in revision order; the waiters a revision may move are
+        judged after that revision, before the next one is applied."""
+        touched: set[QueueId] = set()
+        for event in events:
+            kv = event.kv
+            if kv.mod_revision > self.revision:
+                if touched or self._parked:
+                    self._judge_touched(touched)
+                self.revision = kv.mod_revision
+            if not kv.key.startswith(self.layout.queues):
+                if self.on_other is not None:
+                    self.on_other(event)
+                continue
+            if event.type == "DELETE":
+                where = self._located.pop(kv.key, None)
+                if where is not None:
+                    queue_id, revision = where
+                    queue = self.queues[queue_id]
+                    queue.remove(revision)
+                    if not queue.entries:
+                        del self.queues[queue_id]
+                    touched.add(queue_id)
+            else:
+                put_in = self._put(kv)
+                if put_in is not None and kv.mod_revision != kv.create_revision:
+                    touched.add(put_in)  # a shared entry marked held
+        self._judge_touched(touched)
+
+    def _judge_touched(self, touched: set[QueueId]) -> None:
+        for queue_id in touched:
+            for waiter in list(self._waiters.get(queue_id, ())):
+                self._judge(waiter)
+        touched.clear()
+        self._unpark()
+
+    def _put(self, kv: KeyValue) -> QueueId | None:
+        name = self.layout.parse_entry(kv.key)
+        if name is None:
+            return None
+        entry = Entry(kv.key, kv.create_revision, name.lease, parse_entry_value(kv.value))
+        self.queues.setdefault(name.queue, Queue()).add(entry)
+        self._located[kv.key] = (name.queue, kv.create_revision)
+        return name.queue
+
+    # ---------------------------------------------------------------- waiters
+
+    def add_waiter(self, waiter: ClusterWaiter) -> None:
+        """Judge a waiter whose revision is known, now or once the mirror gets there."""
+        for queue_id in waiter.queues:
+            self._waiters.setdefault(queue_id, set()).add(waiter)
+        if waiter.revision > self.revision:
+            self._parked.add(waiter)
+        else:
+            self._judge(waiter)
+
+    def remove_waiter(self, waiter: ClusterWaiter) -> None:
+        """Forget a waiter (granted, lost, timed out or cancelled)."""
+        if waiter.state == WAITING:
+            waiter.state = CANCELLED
+        self._parked.discard(waiter)
+        for queue_id in waiter.queues:
+            waiters = self._waiters.get(queue_id)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[queue_id]
+
+    def _unpark(self) -> None:
+        if not self._parked:
+            return
+        for waiter in [w for w in self._parked if w.revision <= self.revision]:
+            self._parked.discard(waiter)
+            self._judge(waiter)
+
+    def _judge(self, waiter: ClusterWaiter) -> None:
+        if waiter.state != WAITING or waiter in self._parked:
+            return
+        for queue_id in waiter.queues:
+            queue = self.queues.get(queue_id)
+            if queue is None or waiter.revision not in queue.entries:
+                self._finish(waiter, LOST)
+                return
+        for queue_id in waiter.queues:
+            if not self.holds(queue_id, waiter.revision, waiter.limit):
+                return
+        self._finish(waiter, GRANTED)
+
+    def holds(self, queue_id: QueueId, revision: int, limit: int = 1) -> bool:
+        """May the entry at ``revision`` hold the lock, as of :attr:`revision`?"""
+        queue = self.queues.get(queue_id)
+        if queue is None or revision not in queue.entries:
+            return False
+        if queue_id[0] != SHARED:  # exclusive: only the first entry holds
+            return queue.revisions[0] == revision
+        return queue.may_grant_shared(revision, limit)
+
+    def _finish(self, waiter: ClusterWaiter, state: int) -> None:
+        waiter.state = state
+        self.remove_waiter(waiter)
+        if waiter.wake is not None:
+            waiter.wake()
+
+    # ----------------------------------------------------------------- counts
+
+    def exclusive_locks(self) -> int:
+        return sum(1 for kind, _ in self.queues if kind != SHARED)
+
+    def shared_locks(self) -> int:
+        return sum(1 for kind, _ in self.queues if kind == SHARED)
+
+    def shared_holders(self) -> int:
+        return sum(
+            sum(1 for _ in queue.granted())
+            for (kind, _), queue in self.queues.items()
+            if kind == SHARED
+        )
+
+    def waiting(self) -> int:
+        """Entries that wait: all but the first of an exclusive queue, the unmarked
+        limited ones of a shared queue."""
+        return sum(
+            queue.waiting() if kind == SHARED else len(queue.revisions) - 1
+            for (kind, _), queue in self.queues.items()
+        )

@@ -1,0 +1,930 @@
+"""The lock space kept in etcd: what one elockd node does for its own sessions.
+
+etcd decides; the node only asks. Each session that takes a lock opens one etcd
+lease (``--session-ttl``) which the node keeps alive; every queue entry the session
+creates is bound to it, so a clean disconnect frees everything with one revoke and
+a dead node's sessions are freed by etcd when their leases run out. Grants follow
+from the order of the entries (see :mod:`.mirror`); a fencing token is the entry's
+create revision plus the cluster's stored token floor, so tokens increase across
+keys, nodes and rebuilt clusters.
+
+Rules kept from the in-memory engine: plain holds follow the session's grace time,
+holds with ``ttl=`` outlive their connection until they expire (this node runs the
+timers), and ``conn_id ID`` takes over a session that lives on without a connection,
+on this node or (once its node is gone) on another. What etcd adds: when etcd has no
+quorum every decision fails closed with :class:`~elockd.protocol.BackendUnavailable`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import trio
+
+from elockd.cluster.etcd_client import (
+    EtcdClient,
+    EtcdError,
+    EtcdUnavailable,
+    Event,
+    KeyValue,
+    WatchCompacted,
+    compare_create,
+    compare_mod,
+    delete_op,
+    prefix_end,
+    put_op,
+    range_op,
+)
+from elockd.cluster.layout import EXCLUSIVE, SHARED, Layout, entry_value, parse_entry_value
+from elockd.cluster.mirror import (
+    GRANTED,
+    LOST,
+    ClusterWaiter,
+    QueueMirror,
+    may_grant_shared,
+)
+from elockd.locks import QueueFull, TooManyHolds
+from elockd.protocol import BackendUnavailable
+from elockd.sessions import Hold, Session
+
+log = logging.getLogger("elockd.cluster")
+
+T = TypeVar("T")
+
+#: Seconds a node waits for etcd to release its sessions when it shuts down.
+SHUTDOWN_GRACE = 2.0
+
+
+class ClusterHold(Hold):
+    """A hold whose truth is an etcd entry: ``revision`` guards its deletion."""
+
+    __slots__ = ("revision", "ttl")
+
+    def __init__(
+        self, session: Session, key: bytes, shared: bool, revision: int, floor: int, now: float
+    ) -> None:
+        super().__init__(session, key, shared, floor + revision, now)
+        self.revision = revision
+        self.ttl: float | None = None
+
+
+class ClusterSession(Session):
+    """A session of this node, with the etcd lease its entries are bound to."""
+
+    __slots__ = ("abort", "lease", "lost", "record_revision")
+
+    def __init__(self, session_id: str, peer: bytes) -> None:
+        super().__init__(session_id, peer)
+        self.lease = 0
+        self.record_revision = 0  # mod revision of our last write of its record
+        self.lost = False
+        self.abort: Callable[[], None] | None = None  # ends its connection
+
+
+class Grant:
+    """The outcome of a request: granted or not, the holders count for shared
+    replies, and for a refused multi-key request the keys others hold."""
+
+    __slots__ = ("blocked", "count", "granted")
+
+    def __init__(self, granted: bool, count: int = 0, blocked: Sequence[bytes] = ()) -> None:
+        self.granted = granted
+        self.count = count
+        self.blocked = list(blocked)
+
+
+class _Counted:
+    """A stand-in with only a length, for the ``q`` counters read as ``len(...)``."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count()
+
+
+class ClusterLockSpace:
+    """This node's view of the lock space in etcd, and its sessions."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        root: bytes,
+        *,
+        session_ttl: int = 5,
+        max_waiters: int = 10_000,
+        max_holds: int = 10_000,
+    ) -> None:
+        self.client = client
+        self.layout = Layout(root)
+        self.session_ttl = session_ttl
+        self.max_waiters = max_waiters
+        self.max_holds = max_holds
+        self.node_id = secrets.token_hex(8)
+        self.mirror = QueueMirror(self.layout, on_other=self._record_changed)
+        self.token_floor = 0
+        self.sessions: dict[str, ClusterSession] = {}
+        self._timers: list[tuple[float, int, ClusterHold | ClusterSession]] = []
+        self._tiebreak = itertools.count()
+        self._nursery: trio.Nursery | None = None
+        self._node_lease = 0
+        self.on_new_deadline: Callable[[], None] | None = None
+        self.on_hold_end: Callable[[bool, float], None] | None = None
+        self.on_holds_end: Callable[[bool, list[float]], None] | None = None
+        self.on_wait_end: Callable[[bool, float], None] | None = None
+        # What `q` and /metrics read: this node's counters ...
+        self.orphans = 0
+        self.shared_orphans = 0
+        self.expired = 0
+        self.timeouts = 0
+        self.leases = 0
+        self.sessions_in_grace = 0
+        self.sessions_lost = 0
+        self.backend_unavailable = 0
+        self.local_waiting = 0
+        # ... and the cluster's lock counts, from the mirror.
+        self.exclusive = _Counted(self.mirror.exclusive_locks)
+        self.shared = _Counted(self.mirror.shared_locks)
+
+    def extra_counters(self) -> dict[str, int]:
+        """`q` lines only a cluster node has."""
+        return {
+            "backend_unavailable": self.backend_unavailable,
+            "local_waiting": self.local_waiting,
+            "sessions_lost": self.sessions_lost,
+        }
+
+    @property
+    def shared_holders(self) -> int:
+        return self.mirror.shared_holders()
+
+    @property
+    def waiting(self) -> int:
+        return self.mirror.waiting()
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Join the cluster, then keep leases alive and the mirror current until
+        cancelled; on the way out, revoke this node's sessions so their locks go at
+        once rather than after the session TTL."""
+        await self._call(self._load_token_floor)
+        self._node_lease = await self._call(self._start_heartbeat)
+        await self._call(self._load_mirror)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._watch)
+                nursery.start_soon(self._keep_alive)
+                log.info("node %s joined at revision %d", self.node_id, self.mirror.revision)
+                task_status.started()
+        finally:
+            self._nursery = None
+            with trio.move_on_after(SHUTDOWN_GRACE) as cleanup:
+                cleanup.shield = True
+                leases = [s.lease for s in self.sessions.values() if s.lease] + [self._node_lease]
+                for lease in leases:
+                    try:
+                        await self.client.lease_revoke(lease)
+                    except (EtcdUnavailable, EtcdError):
+                        break
+
+    async def _load_token_floor(self) -> None:
+        """The first node of a new cluster records the wall clock in nanoseconds as
+        the floor under every token: a cluster rebuilt empty later starts above it."""
+        floor_key = self.layout.token_floor
+        result = await self.client.txn(
+            [compare_create(floor_key, "==", 0)],
+            [put_op(floor_key, b"%d" % time.time_ns())],
+            [range_op(floor_key)],
+        )
+        if result.succeeded:
+            _, kvs, _ = await self.client.get(floor_key)
+        else:
+            kvs = result.kvs(0)
+        self.token_floor = int(kvs[0].value) if kvs else 0
+
+    async def _start_heartbeat(self) -> int:
+        ttl = max(2, self.session_ttl // 2)
+        lease, _ = await self.client.lease_grant(ttl)
+        await self.client.put(self.layout.node(self.node_id), b"%d" % os.getpid(), lease)
+        return lease
+
+    async def _load_mirror(self) -> None:
+        queues = self.layout.queues
+        revision, kvs, _ = await self.client.get(queues, prefix_end(queues))
+        self.mirror.load(revision, kvs)
+
+    async def _watch(self) -> None:
+        root = self.layout.root
+        while True:
+            try:
+                async for events in self.client.watch(
+                    root, prefix_end(root), self.mirror.revision + 1
+                ):
+                    self.mirror.apply(events)
+            except WatchCompacted:
+                log.warning("watch fell behind etcd's compaction: reloading every queue")
+                while True:
+                    try:
+                        await self._load_mirror()
+                        break
+                    except EtcdUnavailable:
+                        await trio.sleep(0.5)
+
+    async def _keep_alive(self) -> None:
+        """Every TTL/3, one keepalive per live session lease and the node's own."""
+        period = self.session_ttl / 3
+        while True:
+            await trio.sleep(period)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_node_alive)
+                for session in list(self.sessions.values()):
+                    if session.lease and not session.lost:
+                        nursery.start_soon(self._keep_session_alive, session)
+
+    async def _keep_node_alive(self) -> None:
+        try:
+            if await self.client.lease_keepalive(self._node_lease) == 0:
+                self._node_lease = await self._start_heartbeat()
+        except (EtcdUnavailable, EtcdError):
+            self._unavailable("node heartbeat")
+
+    async def _keep_session_alive(self, session: ClusterSession) -> None:
+        lease = session.lease
+        try:
+            remaining = await self.client.lease_keepalive(lease)
+        except (EtcdUnavailable, EtcdError):
+            self._unavailable("session keepalive")
+            return
+        if remaining == 0 and session.lease == lease:
+            self._lose(session, "its etcd lease expired")
+
+    def _unavailable(self, what: str) -> None:
+        self.backend_unavailable += 1
+        log.warning("backend unavailable: etcd did not answer (%s)", what)
+
+    async def _call(self, step: Callable[[], Awaitable[T]]) -> T:
+        """Retry a start-up step until etcd answers (a node may start before quorum)."""
+        while True:
+            try:
+                return await step()
+            except EtcdUnavailable:
+                self._unavailable("start-up")
+                await trio.sleep(1)
+
+    def _spawn(self, job: Callable[[], Awaitable[object]], what: str) -> None:
+        """Run etcd work that no request waits for (frees after a disconnect, lease
+        ends). If etcd is down it is logged: the session lease frees it anyway."""
+        nursery = self._nursery
+        if nursery is None:
+            return
+
+        async def run() -> None:
+            try:
+                await job()
+            except (EtcdUnavailable, EtcdError) as error:
+                self._unavailable(f"{what}: {error}")
+
+        nursery.start_soon(run)
+
+    # --------------------------------------------------------------- sessions
+
+    def open_session(self, session_id: str, peer: bytes) -> ClusterSession:
+        session = ClusterSession(session_id, peer)
+        self.sessions[session_id] = session
+        return session
+
+    async def _ensure_lease(self, session: ClusterSession) -> int:
+        if session.lost:
+            raise BackendUnavailable("session lost")
+        if not session.lease:
+            lease, _ = await self._etcd(self.client.lease_grant(self.session_ttl))
+            session.lease = lease
+            await self._write_record(session, connected=True)
+        return session.lease
+
+    async def _write_record(self, session: ClusterSession, *, connected: bool) -> None:
+        value = b"%s %d" % (self.node_id.encode(), connected)
+        revision = await self._etcd(
+            self.client.put(self.layout.session_record(session.id), value, session.lease)
+        )
+        session.record_revision = revision
+
+    def disconnect(self, session: Session, now: float) -> None:
+        """The connection is gone: plain holds go now (grace 0) or when the grace time
+        ends; holds with a lease stay. The session's etcd lease is revoked once it
+        holds nothing, which frees every entry in one step."""
+        assert isinstance(session, ClusterSession)
+        session.connected = False
+        session.abort = None
+        if session.grace > 0 and session.lease and not session.lost:
+            if session.grace_deadline is None:
+                self.sessions_in_grace += 1
+            session.grace_deadline = now + session.grace
+            self._schedule(session.grace_deadline, session)
+            self._spawn(lambda: self._write_record(session, connected=False), "session record")
+        else:
+            self._end_grace(session, now)
+
+    def _end_grace(self, session: ClusterSession, now: float) -> None:
+        if session.grace_deadline is not None:
+            self.sessions_in_grace -= 1
+        session.grace_deadline = None
+        plain = [h for h in self._holds(session) if h.lease_deadline is None]
+        for hold in plain:
+            if hold.shared:
+                self.shared_orphans += 1
+            else:
+                self.orphans += 1
+            self._drop(hold, now)
+        if session.lease and not session.lost and not session.is_empty():
+            # Leases live on: free only the plain holds, keep the session for conn_id.
+            entries = [self._entry_key(h) for h in plain]
+            if entries:
+                self._spawn(lambda: self._delete_entries(entries), "free orphaned holds")
+            self._spawn(lambda: self._write_record(session, connected=False), "session record")
+            return
+        self._forget(session)
+
+    def _forget(self, session: ClusterSession) -> None:
+        """The session is over: revoke its lease (every entry goes with it)."""
+        self.sessions.pop(session.id, None)
+        lease, session.lease = session.lease, 0
+        if lease and not session.lost:
+            self._spawn(lambda: self.client.lease_revoke(lease), "revoke session")
+
+    def _lose(self, session: ClusterSession, why: str) -> None:
+        """etcd no longer has this session: everything it held is gone already."""
+        if session.lost:
+            return
+        session.lost = True
+        self.sessions_lost += 1
+        log.warning("session %s lost: %s; closing its connection", session.id[:8], why)
+        now = trio.current_time()
+        for hold in self._holds(session):
+            self._drop(hold, now)
+        if session.abort is not None:
+            session.abort()
+        if not session.connected:
+            self.sessions.pop(session.id, None)
+
+    def _record_changed(self, event: Event) -> None:
+        """A session record moved to another node (``conn_id`` there): this node
+        lets go of the session without freeing anything."""
+        if not event.kv.key.startswith(self.layout.sessions) or event.type == "DELETE":
+            return
+        node = event.kv.value.split(b" ", 1)[0].decode(errors="replace")
+        if node == self.node_id:
+            return
+        for session in list(self.sessions.values()):
+            if session.lease == event.kv.lease and not session.connected and session.lease:
+                log.info("session %s taken over by node %s", session.id[:8], node)
+                if session.grace_deadline is not None:
+                    self.sessions_in_grace -= 1
+                    session.grace_deadline = None
+                for hold in self._holds(session):
+                    self._untrack(hold)
+                session.lease = 0
+                self.sessions.pop(session.id, None)
+
+    async def take_over(self, session_id: str, current: ClusterSession) -> ClusterSession | None:
+        """``conn_id ID``: a disconnected session of this node, or one whose node
+        is gone (its heartbeat expired) while the session's lease still lives."""
+        if not current.is_empty():
+            return None
+        local = self.sessions.get(session_id)
+        if local is not None:
+            if local.connected or local.lost or not local.lease:
+                return None
+            self._adopt_local(local, current)
+            await self._write_record(local, connected=True)
+            return local
+        record_key = self.layout.session_record(session_id)
+        _, kvs, _ = await self._etcd(self.client.get(record_key))
+        if not kvs:
+            return None
+        record = kvs[0]
+        node, _, connected = record.value.partition(b" ")
+        if connected == b"1":
+            _, alive, _ = await self._etcd(self.client.get(self.layout.node(node.decode())))
+            if alive:
+                return None
+        session = ClusterSession(session_id, current.peer)
+        session.name = current.name
+        session.lease = record.lease
+        claimed = await self._etcd(
+            self.client.txn(
+                [compare_mod(record_key, "==", record.mod_revision)],
+                [put_op(record_key, b"%s 1" % self.node_id.encode(), record.lease)],
+            )
+        )
+        if not claimed.succeeded:
+            return None
+        session.record_revision = claimed.revision
+        await self._adopt_entries(session)
+        self.sessions.pop(current.id, None)
+        self._forget_empty(current)
+        self.sessions[session_id] = session
+        return session
+
+    def _adopt_local(self, target: ClusterSession, current: ClusterSession) -> None:
+        target.connected = True
+        if target.grace_deadline is not None:
+            self.sessions_in_grace -= 1
+        target.grace_deadline = None
+        target.peer = current.peer
+        if current.name is not None:
+            target.name = current.name
+        self._forget_empty(current)
+
+    def _forget_empty(self, session: ClusterSession) -> None:
+        session.connected = False
+        self.sessions.pop(session.id, None)
+        if session.lease:
+            self._forget(session)
+
+    async def _adopt_entries(self, session: ClusterSession) -> None:
+        """Rebuild the holds of a session taken over from a dead node: its granted
+        entries become holds (a lease restarts from its ``ttl``); entries still
+        waiting are deleted, since their requests died with the old connection."""
+        names = await self._etcd(self.client.lease_keys(session.lease))
+        if names is None:
+            raise BackendUnavailable("session lease gone")
+        now = trio.current_time()
+        stale = []
+        for etcd_key in names:
+            name = self.layout.parse_entry(etcd_key)
+            if name is None:
+                continue
+            queue_prefix = self.layout.queue_prefix(name.kind, name.key)
+            revision, kvs, _ = await self._etcd(
+                self.client.get(queue_prefix, prefix_end(queue_prefix), sort_by_create=True)
+            )
+            position = next((i for i, kv in enumerate(kvs) if kv.key == etcd_key), None)
+            if position is None:
+                continue
+            mine = kvs[position]
+            ttl = parse_entry_value(mine.value).ttl
+            holding = position == 0 if name.kind == EXCLUSIVE else mine in _granted_kvs(kvs)
+            if not holding:
+                stale.append(etcd_key)
+                continue
+            hold = self._record_hold(session, name.kind, name.key, mine.create_revision, now)
+            if ttl is not None:
+                hold.ttl = ttl
+                self._set_lease(hold, now + ttl)
+        if stale:
+            await self._delete_entries(stale)
+
+    # ------------------------------------------------------------------ holds
+
+    def _holds(self, session: Session) -> list[ClusterHold]:
+        holds: list[ClusterHold] = []
+        for table in (session.exclusive, session.shared):
+            for hold in table.values():
+                assert isinstance(hold, ClusterHold)
+                holds.append(hold)
+        return holds
+
+    def _entry_key(self, hold: ClusterHold) -> bytes:
+        session = hold.session
+        assert isinstance(session, ClusterSession)
+        return self.layout.entry(SHARED if hold.shared else EXCLUSIVE, hold.key, session.lease)
+
+    def _record_hold(
+        self, session: ClusterSession, kind: bytes, key: bytes, revision: int, now: float
+    ) -> ClusterHold:
+        shared = kind == SHARED
+        hold = ClusterHold(session, key, shared, revision, self.token_floor, now)
+        (session.shared if shared else session.exclusive)[key] = hold
+        return hold
+
+    def _untrack(self, hold: ClusterHold) -> None:
+        """Forget a hold locally (etcd is told separately, or already knows)."""
+        table = hold.session.shared if hold.shared else hold.session.exclusive
+        if table.get(hold.key) is hold:
+            del table[hold.key]
+        if hold.lease_deadline is not None:
+            hold.lease_deadline = None
+            self.leases -= 1
+
+    def _drop(self, hold: ClusterHold, now: float) -> None:
+        self._untrack(hold)
+        if self.on_hold_end is not None:
+            self.on_hold_end(hold.shared, now - hold.granted_at)
+
+    async def _delete_entries(self, entries: list[bytes]) -> None:
+        """Delete our own entries. Their names carry our lease id, which nobody else
+        can create, so no compare is needed: a late delete frees nothing of others."""
+        if entries:
+            await self.client.txn([], [delete_op(e) for e in entries])
+
+    def _check_hold_room(self, session: Session, new: int) -> None:
+        if len(session.exclusive) + len(session.shared) + new > self.max_holds:
+            raise TooManyHolds
+
+    # ---------------------------------------------------------------- requests
+
+    async def acquire(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: Sequence[bytes],
+        *,
+        limit: int,
+        ttl: float | None,
+        wait: float,
+    ) -> Grant:
+        """Take ``keys`` all or nothing (several only for exclusive ``mlock``).
+
+        ``limit``: 1 for exclusive, N for shared with a limit, 0 for shared without
+        one. ``wait`` 0 tries once; otherwise the request queues FIFO for at most
+        ``wait`` seconds.
+        """
+        table = session.shared if kind == SHARED else session.exclusive
+        missing = list(dict.fromkeys(k for k in keys if k not in table))
+        now = trio.current_time()
+        for key in keys:
+            own = table.get(key)
+            if own is not None and ttl is not None:
+                assert isinstance(own, ClusterHold)
+                own.ttl = ttl
+                self._set_lease(own, now + ttl)
+        if not missing:
+            count = await self._holders(keys[0]) if kind == SHARED else 0
+            return Grant(True, count)
+        self._check_hold_room(session, len(missing))
+        if wait and any(
+            len(q.revisions) >= self.max_waiters
+            for q in (self.mirror.queues.get((kind, k)) for k in missing)
+            if q is not None
+        ):
+            raise QueueFull
+        lease = await self._ensure_lease(session)
+        value = entry_value(limit, ttl, session.owner)
+        entries = [self.layout.entry(kind, k, lease) for k in missing]
+        if kind == EXCLUSIVE and not wait:
+            return await self._try_exclusive(session, missing, entries, value, ttl)
+        revision, holds_now, holders = await self._enqueue(
+            kind, missing, entries, value, lease, limit
+        )
+        if holds_now and kind == SHARED and limit:
+            holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
+        if holds_now:
+            grant = self._granted(session, kind, missing, revision, ttl, now, waited=False)
+            if holders is not None:
+                # This node's mirror may not have reached the grant yet: the reply
+                # counts the holders etcd had at the grant's own revision.
+                grant.count = holders
+            return grant
+        if not wait:
+            await self._etcd(self._delete_entries(entries))
+            return Grant(False, await self._holders(missing[0]))
+        return await self._wait(session, kind, missing, entries, revision, limit, ttl, wait)
+
+    async def _try_exclusive(
+        self,
+        session: ClusterSession,
+        keys: list[bytes],
+        entries: list[bytes],
+        value: bytes,
+        ttl: float | None,
+    ) -> Grant:
+        """One txn: if every key's queue is empty, enter them all."""
+        layout, lease = self.layout, session.lease
+        prefixes = [layout.queue_prefix(EXCLUSIVE, k) for k in keys]
+        result = await self._etcd(
+            self.client.txn(
+                [compare_create(p, "==", 0, prefix_end(p)) for p in prefixes],
+                [put_op(e, value, lease) for e in entries],
+                [range_op(p, prefix_end(p), sort_by_create=True, limit=1) for p in prefixes],
+            )
+        )
+        now = trio.current_time()
+        if result.succeeded:
+            return self._granted(session, EXCLUSIVE, keys, result.revision, ttl, now, waited=False)
+        heads = [result.kvs(i)[0] if result.kvs(i) else None for i in range(len(keys))]
+        if all(h is not None and h.key == e for h, e in zip(heads, entries, strict=True)):
+            # An earlier attempt of this very txn committed before its answer was
+            # lost (the client retried): the entries are ours and at the head.
+            revision = heads[0].create_revision if heads[0] is not None else 0
+            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, waited=False)
+        blocked = [
+            k for k, h, e in zip(keys, heads, entries, strict=True) if h is not None and h.key != e
+        ]
+        return Grant(False, blocked=blocked)
+
+    async def _enqueue(
+        self,
+        kind: bytes,
+        keys: list[bytes],
+        entries: list[bytes],
+        value: bytes,
+        lease: int,
+        limit: int,
+    ) -> tuple[int, bool, int | None]:
+        """Enter every queue in one txn: (its revision, whether the new entries hold
+        every lock at that revision, and for a shared lock its holders then; None
+        when unknown)."""
+        prefixes = [self.layout.queue_prefix(kind, k) for k in keys]
+        shared = kind == SHARED  # the shared rule needs every entry's limit
+        result = await self._etcd(
+            self.client.txn(
+                [compare_create(e, "==", 0) for e in entries],
+                [put_op(e, value, lease) for e in entries]
+                + [
+                    range_op(p, prefix_end(p), count_only=not shared, sort_by_create=shared)
+                    for p in prefixes
+                ],
+                [range_op(e) for e in entries],
+            )
+        )
+        if result.succeeded:
+            revision = result.revision
+            if not shared:
+                # Exclusive: ours holds when it is the only entry of every queue.
+                counts = [result.count(len(entries) + i) for i in range(len(keys))]
+                return revision, all(c == 1 for c in counts), None
+            queue = result.kvs(len(entries))
+            holding = len(_granted_kvs(queue))  # ours included when it has no limit
+            if limit == 0:
+                return revision, True, holding
+            granted = may_grant_shared(_shared_rule_input(queue), revision, limit)
+            return revision, granted, holding + 1
+        found = [result.kvs(i) for i in range(len(entries))]
+        if all(found) and len({kvs[0].create_revision for kvs in found}) == 1:
+            # A retried txn whose first attempt committed: use that revision, and
+            # let the mirror judge it (the wait path, or a refusal for a try).
+            return found[0][0].create_revision, False, None
+        raise BackendUnavailable("an entry of this session is already queued")
+
+    async def _wait(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: list[bytes],
+        entries: list[bytes],
+        revision: int,
+        limit: int,
+        ttl: float | None,
+        wait: float,
+    ) -> Grant:
+        waiter = ClusterWaiter([(kind, k) for k in keys], limit)
+        waiter.revision = revision
+        woken = trio.Event()
+        waiter.wake = woken.set
+        since = trio.current_time()
+        self.local_waiting += 1
+        self.mirror.add_waiter(waiter)
+        try:
+            with trio.move_on_after(wait):
+                await woken.wait()
+        finally:
+            self.local_waiting -= 1
+            self.mirror.remove_waiter(waiter)
+            now = trio.current_time()
+            if self.on_wait_end is not None:
+                self.on_wait_end(kind == SHARED, now - since)
+            if waiter.state != GRANTED:
+                # Timed out, lost, or the peer left: take our entries out of the
+                # queues (also when this task is being cancelled).
+                with trio.move_on_after(self.client_deadline) as scope:
+                    scope.shield = True
+                    try:
+                        await self._delete_entries(entries)
+                    except (EtcdUnavailable, EtcdError):
+                        self._unavailable("cancel a wait")
+        if waiter.state == GRANTED and kind == SHARED:
+            with trio.CancelScope(shield=True):  # an unmarked grant would block the queue
+                marked = await self._mark_held(entries[0], revision, limit, ttl, session)
+            if not marked:
+                waiter.state = LOST
+        if waiter.state == GRANTED:
+            return self._granted(session, kind, keys, revision, ttl, now, waited=True)
+        self.timeouts += 1
+        if kind == SHARED:
+            return Grant(False, await self._holders(keys[0]))
+        return Grant(False, blocked=[k for k in keys if self._held_by_other(session, k)])
+
+    @property
+    def client_deadline(self) -> float:
+        return float(getattr(self.client, "deadline", 3.0))
+
+    def _held_by_other(self, session: ClusterSession, key: bytes) -> bool:
+        queue = self.mirror.queues.get((EXCLUSIVE, key))
+        if queue is None or not queue.revisions:
+            return False
+        return queue.entries[queue.revisions[0]].lease != session.lease
+
+    def _granted(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: list[bytes],
+        revision: int,
+        ttl: float | None,
+        now: float,
+        *,
+        waited: bool,
+    ) -> Grant:
+        for key in keys:
+            hold = self._record_hold(session, kind, key, revision, now)
+            if ttl is not None:
+                hold.ttl = ttl
+                self._set_lease(hold, now + ttl)
+        if kind == SHARED:
+            # Ours counts even where the mirror has not seen its mark yet.
+            queue = self.mirror.queues.get((SHARED, keys[0]))
+            others = [e for e in queue.granted() if e.revision != revision] if queue else []
+            return Grant(True, len(others) + 1)
+        return Grant(True)
+
+    async def _mark_held(
+        self, entry: bytes, revision: int, limit: int, ttl: float | None, session: ClusterSession
+    ) -> bool:
+        """Record in etcd that a shared entry with a limit now holds (see
+        :mod:`.mirror`): False when the entry is gone (the session was lost)."""
+        value = entry_value(limit, ttl, session.owner, held=True)
+        result = await self._etcd(
+            self.client.txn(
+                [compare_create(entry, "==", revision)], [put_op(entry, value, session.lease)]
+            )
+        )
+        return result.succeeded
+
+    async def release(self, session: ClusterSession, kind: bytes, key: bytes) -> Grant:
+        """Free this session's hold: (was it held, holders left for shared)."""
+        table = session.shared if kind == SHARED else session.exclusive
+        hold = table.get(key)
+        if hold is None:
+            return Grant(False)
+        assert isinstance(hold, ClusterHold)
+        entry = self._entry_key(hold)
+        prefix = self.layout.queue_prefix(kind, key)
+        result = await self._etcd(
+            self.client.txn(
+                [compare_create(entry, "==", hold.revision)],
+                [delete_op(entry), range_op(prefix, prefix_end(prefix), sort_by_create=True)],
+                [range_op(prefix, prefix_end(prefix), sort_by_create=True)],
+            )
+        )
+        self._drop(hold, trio.current_time())
+        queue = result.kvs(1 if result.succeeded else 0)
+        return Grant(result.succeeded, _holders_after_handover(queue) if kind == SHARED else 0)
+
+    async def release_all(self, session: ClusterSession) -> None:
+        holds = self._holds(session)
+        entries = [self._entry_key(h) for h in holds]
+        now = trio.current_time()
+        for hold in holds:
+            self._drop(hold, now)
+        await self._etcd(self._delete_entries(entries))
+
+    def renew(self, session: Session, key: bytes, ttl: float) -> bool:
+        hold = session.exclusive.get(key) or session.shared.get(key)
+        if hold is None:
+            return False
+        assert isinstance(hold, ClusterHold)
+        hold.ttl = ttl
+        self._set_lease(hold, trio.current_time() + ttl)
+        return True
+
+    # ------------------------------------------------------------------ reads
+
+    async def queue(self, kind: bytes, key: bytes | None) -> list[tuple[bytes, list[KeyValue]]]:
+        """A linearizable read of one queue (or every queue of a table), oldest first."""
+        prefix = self.layout.queues + kind + b"/"
+        if key is not None:
+            prefix = self.layout.queue_prefix(kind, key)
+        _, kvs, _ = await self._etcd(
+            self.client.get(prefix, prefix_end(prefix), sort_by_create=True)
+        )
+        queues: dict[bytes, list[KeyValue]] = {}
+        for kv in kvs:
+            name = self.layout.parse_entry(kv.key)
+            if name is not None:
+                queues.setdefault(name.key, []).append(kv)
+        return sorted(queues.items())
+
+    async def _holders(self, key: bytes) -> int:
+        queues = await self.queue(SHARED, key)
+        return _granted_count(queues[0][1]) if queues else 0
+
+    async def holders(self, kind: bytes, key: bytes | None) -> list[tuple[bytes, bytes]]:
+        """(lock name, owner) of every hold in a table, or of one key."""
+        holds = []
+        for name, kvs in await self.queue(kind, key):
+            for kv in _granted_kvs(kvs) if kind == SHARED else kvs[:1]:
+                holds.append((name, parse_entry_value(kv.value).owner))
+        return holds
+
+    async def describe(self, key: bytes) -> tuple[KeyValue | None, int, int]:
+        """``info``: the exclusive head entry, shared holders, requests waiting."""
+        exclusive = await self.queue(EXCLUSIVE, key)
+        shared = await self.queue(SHARED, key)
+        head = exclusive[0][1][0] if exclusive else None
+        waiting_exclusive = len(exclusive[0][1]) - 1 if exclusive else 0
+        holders = _granted_count(shared[0][1]) if shared else 0
+        waiting_shared = len(shared[0][1]) - holders if shared else 0
+        return head, holders, waiting_exclusive + waiting_shared
+
+    def local_hold(self, lease: int, key: bytes) -> ClusterHold | None:
+        for session in self.sessions.values():
+            if session.lease == lease:
+                hold = session.exclusive.get(key)
+                return hold if isinstance(hold, ClusterHold) else None
+        return None
+
+    # ----------------------------------------------------------------- timers
+
+    def _set_lease(self, hold: ClusterHold, deadline: float) -> None:
+        if hold.lease_deadline is None:
+            self.leases += 1
+        hold.lease_deadline = deadline
+        self._schedule(deadline, hold)
+
+    def _schedule(self, deadline: float, target: ClusterHold | ClusterSession) -> None:
+        earliest = self._timers[0][0] if self._timers else math.inf
+        heapq.heappush(self._timers, (deadline, next(self._tiebreak), target))
+        if deadline < earliest and self.on_new_deadline is not None:
+            self.on_new_deadline()
+
+    def next_deadline(self) -> float | None:
+        return self._timers[0][0] if self._timers else None
+
+    def advance(self, now: float) -> None:
+        """Run every lease and grace end due by ``now`` (the server's timer task)."""
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            deadline, _, target = heapq.heappop(timers)
+            if isinstance(target, ClusterSession):
+                if target.grace_deadline == deadline and not target.connected:
+                    self._end_grace(target, now)
+            elif target.lease_deadline == deadline:
+                self._expire(target, now)
+
+    def _expire(self, hold: ClusterHold, now: float) -> None:
+        """A ``ttl=`` lease ran out: this node frees it (guarded by its revision)."""
+        session = hold.session
+        assert isinstance(session, ClusterSession)
+        self.expired += 1
+        entry, revision = self._entry_key(hold), hold.revision
+        self._drop(hold, now)
+
+        async def free() -> None:
+            await self.client.txn([compare_create(entry, "==", revision)], [delete_op(entry)])
+
+        self._spawn(free, "expire a lease")
+        if not session.connected and session.grace_deadline is None and session.is_empty():
+            self._forget(session)
+
+    # ---------------------------------------------------------------- helpers
+
+    async def _etcd(self, call: Awaitable[T]) -> T:
+        """Await an etcd call; etcd without quorum becomes BackendUnavailable."""
+        try:
+            return await call
+        except EtcdUnavailable as error:
+            self._unavailable(str(error) or "no quorum")
+            raise BackendUnavailable("backend unavailable") from error
+
+
+def _shared_rule_input(kvs: list[KeyValue]) -> list[tuple[int, int, bool]]:
+    values = [(kv.create_revision, parse_entry_value(kv.value)) for kv in kvs]
+    return [(revision, value.limit, value.held) for revision, value in values]
+
+
+def _granted_kvs(kvs: list[KeyValue]) -> list[KeyValue]:
+    """The entries of a shared queue that hold it: marked held, or without a limit."""
+    holding = []
+    for kv in kvs:
+        value = parse_entry_value(kv.value)
+        if value.held or value.limit == 0:
+            holding.append(kv)
+    return holding
+
+
+def _holders_after_handover(kvs: list[KeyValue]) -> int:
+    """Holders of a shared queue once the waiters that may now be granted are (the
+    in-memory engine hands over before it answers; here their nodes do it a few
+    milliseconds later, and the reply counts them already)."""
+    queue = _shared_rule_input(kvs)
+    for index, (revision, limit, held) in enumerate(queue):
+        if limit and not held:
+            if not may_grant_shared(queue, revision, limit):
+                break  # FIFO: nobody behind it goes first
+            queue[index] = (revision, limit, True)
+    return sum(1 for _, limit, held in queue if held or limit == 0)
+
+
+def _granted_count(kvs: list[KeyValue]) -> int:
+    return len(_granted_kvs(kvs))

@@ -1,0 +1,519 @@
+"""Several elockd nodes over one real 3-member etcd cluster (ETCD.md section 7).
+
+Real time here: etcd and the nodes are separate processes, so MockClock cannot
+reach them. Every wait is bounded, and the bounds are generous multiples of what
+etcd needs on this machine (a few ms per txn).
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from elockd.cluster.etcd_client import EtcdClient, prefix_end
+from tests.cluster_nodes import Node, Nodes
+from tests.conftest import LineClient
+from tests.etcd_cluster import EtcdCluster
+from tests.server_process import start_server, stop_server
+
+
+async def test_exclusive_across_nodes_and_fifo_handoff(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    first, second = await a.connect(), await b.connect()
+    assert await first.request(b"lock job") == b"200 Acquired"
+    assert await second.request(b"g job") == b"0 Cannot Get Lock"
+    first_token = int((await first.request(b"token job")).split()[1])
+    await second.send(b"lock job 5\n")
+    await trio.sleep(0.2)
+    assert await first.request(b"unlock job") == b"200 Unlocked"
+    start = trio.current_time()
+    assert await second.line() == b"200 Acquired\r\n"
+    assert trio.current_time() - start < 0.5
+    second_token = int((await second.request(b"token job")).split()[1])
+    assert second_token > first_token
+
+
+# ----------------------------------------------------------------- helpers
+
+
+async def token_of(client: LineClient, key: bytes) -> int:
+    """The fencing token of ``client``'s exclusive hold on ``key`` (asserts it holds it)."""
+    reply = await client.request(b"token " + key)
+    code, _, value = reply.partition(b" ")
+    assert code == b"200", reply
+    return int(value)
+
+
+async def info_of(client: LineClient, key: bytes) -> dict[bytes, bytes]:
+    """The fields of ``info KEY`` (``key``, ``exclusive``, ``shared``, ...)."""
+    reply = await client.request(b"info " + key)
+    assert reply.startswith(b"200 "), reply
+    return dict(field.split(b"=", 1) for field in reply[4:].split(b" "))
+
+
+async def named(node: Node, name: bytes) -> LineClient:
+    """A connection whose holds show up as ``name`` in ``d``, ``sd`` and ``info``."""
+    client = await node.connect()
+    assert await client.request(b"iam " + name) == b"1 ok"
+    return client
+
+
+async def nothing_arrives(client: LineClient, seconds: float = 0.15) -> bool:
+    """True if no reply line reaches ``client`` within ``seconds``."""
+    with trio.move_on_after(seconds):
+        line = await client.line()
+        raise AssertionError(f"unexpected reply {line!r}")
+    return True
+
+
+async def etcd_keys(etcd: EtcdCluster, prefix: bytes) -> list[bytes]:
+    """Every key under ``prefix`` in etcd, read directly (not through a node)."""
+    client = EtcdClient(etcd.endpoints)
+    try:
+        _, kvs, _ = await client.get(prefix, prefix_end(prefix))
+    finally:
+        await client.aclose()
+    return [kv.key for kv in kvs]
+
+
+# ------------------------------------------------------------------- FIFO
+
+
+async def test_fifo_order_and_increasing_tokens_over_two_nodes(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    holder = await named(a, b"holder")
+    assert await holder.request(b"lock K") == b"200 Acquired"
+    tokens = [await token_of(holder, b"K")]
+    waiters = []
+    for i in range(4):
+        waiter = await named((b, a)[i % 2], b"w%d" % i)
+        await waiter.send(b"lock K 10\n")
+        waiters.append(waiter)
+        await trio.sleep(0.1)  # each enqueue lands before the next one starts
+    with trio.fail_after(5):
+        info = await info_of(holder, b"K")
+        assert (info[b"exclusive"], info[b"waiting"]) == (b"holder", b"4")
+        releasing = holder
+        for i, waiter in enumerate(waiters):
+            assert await releasing.request(b"unlock K") == b"200 Unlocked"
+            assert await waiter.line() == b"200 Acquired\r\n"
+            for later in waiters[i + 1 :]:
+                assert await nothing_arrives(later, 0.02)
+            info = await info_of(waiter, b"K")
+            assert info[b"exclusive"] == b"w%d" % i
+            assert info[b"waiting"] == b"%d" % (3 - i)
+            tokens.append(await token_of(waiter, b"K"))
+            releasing = waiter
+        assert await releasing.request(b"unlock K") == b"200 Unlocked"
+    assert tokens == sorted(set(tokens)), tokens  # strictly increasing
+
+
+# ----------------------------------------------------------------- shared
+
+
+async def test_shared_with_limit_and_unlimited_across_nodes(nodes: Nodes) -> None:
+    a, b, c = nodes.start(), nodes.start(), nodes.start()
+    s1, s2, s3 = await named(a, b"s1"), await named(b, b"s2"), await named(c, b"s3")
+    with trio.fail_after(5):
+        assert await s1.request(b"lock_shared K 5 limit=2") == b"200 1"
+        assert await s2.request(b"lock_shared K 5 limit=2") == b"200 2"
+        await s3.send(b"lock_shared K 5 limit=2\n")
+        assert await nothing_arrives(s3, 0.3)
+        assert (await info_of(s1, b"K"))[b"waiting"] == b"1"
+        assert await s1.request(b"unlock_shared K") == b"200 2"
+        assert await s3.line() == b"200 2\r\n"
+        assert await s1.request(b"si K") == b"2 Locked"
+        await s1.send(b"sd K\n")
+        assert sorted(await s1.lines_until_end()) == [b"END\r\n", b"K: s2\r\n", b"K: s3\r\n"]
+
+        # Unlimited: everyone is granted at once, and every node counts them all.
+        assert await s1.request(b"sg U") == b"1 Got Lock"
+        assert await s2.request(b"sg U") == b"2 Got Lock"
+        assert await s2.request(b"sg U") == b"2 Got Lock"  # a repeat adds no hold
+        assert await s3.request(b"sg U") == b"3 Got Lock"
+        observer = await c.connect()
+        assert await observer.request(b"si U") == b"3 Locked"
+        await observer.send(b"sd U\n")
+        assert sorted(await observer.lines_until_end()) == [
+            b"END\r\n",
+            b"U: s1\r\n",
+            b"U: s2\r\n",
+            b"U: s3\r\n",
+        ]
+        assert await s2.request(b"sr U") == b"1 Released Lock"
+        assert await observer.request(b"si U") == b"2 Locked"
+
+
+# -------------------------------------------------------------- multi-key
+
+
+async def test_multi_key_waiter_is_served_before_a_later_single_key_waiter(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    first, second, third = await named(a, b"A"), await named(b, b"B"), await named(a, b"C")
+    with trio.fail_after(5):
+        assert await first.request(b"lock x") == b"200 Acquired"
+        await second.send(b"mlock x y wait=5\n")
+        await trio.sleep(0.1)
+        await third.send(b"lock y 5\n")
+        await trio.sleep(0.1)
+        # B waits for x and is queued on y ahead of C, so C does not get the free y.
+        assert await nothing_arrives(third, 0.1)
+        assert (await info_of(first, b"y"))[b"waiting"] == b"1"
+        assert await first.request(b"unlock x") == b"200 Unlocked"
+        assert await second.line() == b"200 Acquired\r\n"
+        assert await nothing_arrives(third, 0.15)
+        token_x, token_y = await token_of(second, b"x"), await token_of(second, b"y")
+        assert token_x == token_y
+        assert await second.request(b"unlock_all") == b"200 OK"
+        assert await third.line() == b"200 Acquired\r\n"
+        assert await token_of(third, b"y") > token_y
+
+
+async def test_multi_key_waiters_never_deadlock(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    patterns = [b"p q", b"q p", b"q r p", b"p"]
+    holders: dict[bytes, int] = {}  # key -> worker holding it, as the clients see it
+    tokens: dict[bytes, list[int]] = {b"p": [], b"q": [], b"r": []}
+    rounds = 15
+    done = []
+
+    async def worker(index: int, node: Node) -> None:
+        client = await node.connect()
+        keys = patterns[index].split()
+        for _ in range(rounds):
+            assert await client.request(b"mlock %s wait=5" % patterns[index]) == b"200 Acquired"
+            for key in keys:
+                assert key not in holders, f"{key!r} granted to {index} and {holders[key]}"
+                holders[key] = index
+            token = await token_of(client, keys[0])
+            for key in keys:
+                assert await token_of(client, key) == token
+                tokens[key].append(token)
+            for key in keys:
+                del holders[key]
+            assert await client.request(b"unlock_all") == b"200 OK"
+        done.append(index)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for index in range(4):
+                nursery.start_soon(worker, index, (a, b)[index % 2])
+    assert sorted(done) == [0, 1, 2, 3]
+    for key, seen in tokens.items():
+        assert seen == sorted(set(seen)), (key, seen)  # grants of a key in token order
+    assert len(tokens[b"p"]) == 4 * rounds
+
+
+# ---------------------------------------------------------------- timeout
+
+
+async def test_wait_timeout_leaves_no_entry_behind(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    holder, waiter = await a.connect(), await b.connect()
+    with trio.fail_after(5):
+        assert await holder.request(b"lock K") == b"200 Acquired"
+        start = trio.current_time()
+        assert await waiter.request(b"lock K 0.3") == b"409 Unavailable"
+        elapsed = trio.current_time() - start
+        assert 0.29 <= elapsed < 1.0, elapsed
+        assert (await info_of(holder, b"K"))[b"waiting"] == b"0"
+        assert (await info_of(waiter, b"K"))[b"waiting"] == b"0"
+        assert (await waiter.stats())["timeouts"] == 1
+        later = await a.connect()
+        await later.send(b"lock K 5\n")
+        await trio.sleep(0.1)
+        assert await holder.request(b"unlock K") == b"200 Unlocked"
+        start = trio.current_time()
+        assert await later.line() == b"200 Acquired\r\n"
+        assert trio.current_time() - start < 0.3
+
+
+# --------------------------------------------------------- try-lock multi
+
+
+async def test_try_mlock_is_all_or_nothing(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    holder, other = await named(a, b"holder"), await named(b, b"other")
+    with trio.fail_after(5):
+        assert await holder.request(b"lock b") == b"200 Acquired"
+        assert await other.request(b"mlock a b c") == b"409 Unavailable b"
+        observer = await a.connect()
+        await observer.send(b"d\n")
+        assert await observer.lines_until_end() == [b"b: holder\r\n", b"END\r\n"]
+        for key in (b"a", b"c"):
+            assert await observer.request(b"info " + key) == (
+                b"200 key=%s exclusive=- shared=0 waiting=0 ttl=- token=-" % key
+            )
+        assert await other.request(b"token a") == b"403 Not Locked"
+        # Free keys: all granted, one token for all of them.
+        assert await other.request(b"mlock d e f") == b"200 Acquired"
+        tokens = {await token_of(other, key) for key in (b"d", b"e", b"f")}
+        assert len(tokens) == 1
+        assert await holder.request(b"unlock b") == b"200 Unlocked"
+        assert await other.request(b"mlock a b c") == b"200 Acquired"
+        tokens = {await token_of(other, key) for key in (b"a", b"b", b"c")}
+        assert len(tokens) == 1
+        await observer.send(b"d\n")
+        assert sorted(await observer.lines_until_end()) == [
+            b"END\r\n",
+            *(b"%s: other\r\n" % key for key in (b"a", b"b", b"c", b"d", b"e", b"f")),
+        ]
+
+
+# ------------------------------------------------------------- disconnect
+
+
+async def test_disconnect_frees_holds_and_waits_at_once(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    holder, blocker = await named(a, b"holder"), await named(b, b"blocker")
+    waiter = await named(b, b"waiter")
+    with trio.fail_after(5):
+        assert await blocker.request(b"lock Z") == b"200 Acquired"
+        assert await holder.request(b"lock K") == b"200 Acquired"
+        assert await holder.request(b"sg S") == b"1 Got Lock"
+        await holder.send(b"lock Z 10\n")  # the holder also waits, on Z
+        await waiter.send(b"lock K 5\n")
+        await trio.sleep(0.2)
+        assert (await info_of(blocker, b"Z"))[b"waiting"] == b"1"
+        assert (await info_of(blocker, b"K"))[b"waiting"] == b"1"
+        await holder.aclose()
+        start = trio.current_time()
+        assert await waiter.line() == b"200 Acquired\r\n"
+        assert trio.current_time() - start < 0.2
+        await blocker.send(b"d\n")
+        assert await blocker.lines_until_end() == [b"K: waiter\r\n", b"Z: blocker\r\n", b"END\r\n"]
+        await blocker.send(b"sd\n")
+        assert await blocker.lines_until_end() == [b"END\r\n"]
+        for key in (b"K", b"Z"):
+            assert (await info_of(blocker, key))[b"waiting"] == b"0"
+        assert await blocker.request(b"si S") == b"0 Not Locked"
+
+
+# ------------------------------------------------------------ token floor
+
+
+async def test_tokens_start_above_the_recorded_floor(nodes: Nodes, etcd: EtcdCluster) -> None:
+    floor = 10**18 + 12345
+    client = EtcdClient(etcd.endpoints)
+    try:
+        await client.put(nodes.prefix.encode() + b"meta/token_floor", b"%d" % floor)
+    finally:
+        await client.aclose()
+    a, b = nodes.start(), nodes.start()
+    first, second = await a.connect(), await b.connect()
+    with trio.fail_after(5):
+        assert await first.request(b"lock K") == b"200 Acquired"
+        first_token = await token_of(first, b"K")
+        assert floor < first_token < floor + 10**9
+        assert await second.request(b"g L") == b"1 Got Lock"
+        assert await token_of(second, b"L") > first_token
+        info = await info_of(second, b"K")
+        assert info[b"token"] == b"%d" % first_token
+
+    # A prefix created later (its floor is the wall clock) issues larger tokens
+    # than one created earlier: here two fresh prefixes one after the other.
+    earlier, later = Nodes(etcd), Nodes(etcd)
+    try:
+        old = await earlier.start().connect()
+        with trio.fail_after(5):
+            assert await old.request(b"lock K") == b"200 Acquired"
+            old_token = await token_of(old, b"K")
+        assert old_token > first_token  # the wall clock in ns is above 10**18 + 12345
+        await trio.sleep(0.01)
+        new = await later.start().connect()
+        with trio.fail_after(5):
+            assert await new.request(b"lock K") == b"200 Acquired"
+            new_token = await token_of(new, b"K")
+        assert new_token > old_token
+        floors = []
+        for prefix in (earlier.prefix, later.prefix):
+            client = EtcdClient(etcd.endpoints)
+            try:
+                _, kvs, _ = await client.get(prefix.encode() + b"meta/token_floor")
+            finally:
+                await client.aclose()
+            floors.append(int(kvs[0].value))
+        # The floors are wall-clock readings (ns), and each token is its floor plus
+        # an etcd revision.
+        assert floors[0] < floors[1]
+        assert abs(floors[1] / 1e9 - time.time()) < 60
+        assert floors[0] < old_token < floors[0] + 10**9
+        assert floors[1] < new_token < floors[1] + 10**9
+    finally:
+        earlier.close()
+        later.close()
+
+
+# --------------------------------------------------------------- lock TTL
+
+
+async def test_lock_ttl_is_enforced_by_the_owner_node(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    owner, waiter = await a.connect(), await b.connect()
+    with trio.fail_after(6):
+        assert await owner.request(b"lock K 0 ttl=1") == b"200 Acquired"
+        start = trio.current_time()
+        assert await waiter.request(b"lock K 5") == b"200 Acquired"
+        elapsed = trio.current_time() - start
+        # The session lease (TTL 2, kept alive) would take 2 s or more: the node did it.
+        assert 0.8 <= elapsed < 1.6, elapsed
+        assert await owner.request(b"ping") == b"200 PONG"  # its connection stayed open
+        assert await owner.request(b"token K") == b"403 Not Locked"
+        assert (await owner.stats())["expired"] == 1
+
+        # renew pushes the end out.
+        assert await owner.request(b"lock R 0 ttl=0.5") == b"200 Acquired"
+        assert await owner.request(b"renew R ttl=1.5") == b"200 Renewed"
+        start = trio.current_time()
+        ttl = float((await info_of(owner, b"R"))[b"ttl"])
+        assert 1.2 < ttl <= 1.5, ttl
+        assert await waiter.request(b"lock R 5") == b"200 Acquired"
+        elapsed = trio.current_time() - start
+        assert 1.3 <= elapsed < 2.2, elapsed
+        assert (await owner.stats())["expired"] == 2
+
+
+# ------------------------------------------------------ conn_id failover
+
+
+async def test_conn_id_takes_over_a_session_of_a_dead_node(nodes: Nodes) -> None:
+    # Session TTL 6 s gives a node heartbeat of 3 s: there is a window after the
+    # node dies in which its sessions still live but its heartbeat is gone.
+    a, b = nodes.start("--session-ttl", "6"), nodes.start("--session-ttl", "6")
+    owner, other = await a.connect(), await b.connect()
+    with trio.fail_after(5):
+        # A session that is still connected, on a live node, cannot be taken.
+        live = await b.connect()
+        assert await live.request(b"lock L") == b"200 Acquired"
+        live_id = (await live.request(b"conn_id")).split()[1]
+        assert await owner.request(b"conn_id " + live_id) == b"403 cannot set conn id"
+        assert await token_of(live, b"L") > 0
+
+        assert await owner.request(b"set_timeout 10000") == b"200 timeout set"
+        assert await owner.request(b"lock K") == b"200 Acquired"
+        token = await token_of(owner, b"K")
+        session_id = (await owner.request(b"conn_id")).split()[1]
+    a.kill()
+    killed = trio.current_time()
+    heir = await b.connect()
+    with trio.fail_after(6):
+        while True:
+            reply = await heir.request(b"conn_id " + session_id)
+            if reply == b"200 conn id set":
+                break
+            assert reply == b"403 cannot set conn id"
+            assert await other.request(b"g K") == b"0 Cannot Get Lock"
+            await trio.sleep(0.1)
+    # Taken over before the session's lease (6 s) could have run out.
+    assert trio.current_time() - killed < 5.5
+    with trio.fail_after(5):
+        assert await heir.request(b"conn_id") == b"200 " + session_id
+        assert await token_of(heir, b"K") == token
+        assert await other.request(b"g K") == b"0 Cannot Get Lock"
+        assert await other.request(b"lock K 0") == b"409 Unavailable"
+        assert await heir.request(b"unlock K") == b"200 Unlocked"
+        assert await other.request(b"g K") == b"1 Got Lock"
+        assert await token_of(other, b"K") > token
+
+
+# ------------------------------------------- parsing and byte-identical replies
+
+
+BAD_REQUESTS = [
+    b"lock K abc",
+    b"lock K -1",
+    b"lock K 1 bogus=2",
+    b"lock",
+    b"unlock",
+    b"lock_shared K 1 limit=x",
+    b"lock_shared K 1 limit=-2",
+    b"mlock",
+    b"mlock a b wait=x",
+    b"renew K",
+    b"renew K ttl=-1",
+    b"token",
+    b"info",
+    b"set_timeout abc",
+    b"conn_id a b",
+    b"unlock_all extra",
+    b"frobnicate K",
+    b"",
+]
+
+COMMON_REQUESTS = [
+    (0, b"iam one"),
+    (1, b"iam two"),
+    (0, b"g a"),
+    (0, b"g a"),
+    (1, b"g a"),
+    (1, b"i a"),
+    (1, b"r a"),
+    (0, b"r a"),
+    (0, b"r a"),
+    (1, b"i a"),
+    (0, b"g  spaced   key "),
+    (1, b"i spaced key"),
+    (0, b"sg s"),
+    (1, b"sg s"),
+    (1, b"sg s"),
+    (0, b"si s"),
+    (0, b"sr s"),
+    (0, b"sr s"),
+    (1, b"si s"),
+    (1, b"sr s"),
+    (1, b"si s"),
+    (0, b"lock k"),
+    (0, b"lock k"),
+    (1, b"lock k"),
+    (1, b"g k"),
+    (1, b"unlock k"),
+    (1, b"mlock k m"),
+    (1, b"mlock m n"),
+    (1, b"token s"),
+    (0, b"token m"),
+    (0, b"unlock k"),
+    (0, b"unlock k"),
+    (0, b"lock_shared t 0 limit=1"),
+    (1, b"lock_shared t 0 limit=1"),
+    (1, b"lock_shared t 0 limit=2"),
+    (0, b"unlock_shared t"),
+    (0, b"unlock_shared t"),
+    (1, b"info free"),
+    (0, b"renew nothing ttl=1"),
+    (0, b"ping"),
+    (1, b"unlock_all"),
+    (0, b"i m"),
+    (0, b"sg z"),
+    (1, b"sg z"),
+]
+
+
+async def test_bad_requests_and_common_replies_match_the_in_memory_server(
+    nodes: Nodes, etcd: EtcdCluster
+) -> None:
+    process, port = start_server()
+    try:
+        node = nodes.start()
+        plain = [LineClient(await trio.open_tcp_stream("127.0.0.1", port)) for _ in range(2)]
+        cluster = [await node.connect() for _ in range(2)]
+        with trio.fail_after(10):
+            for line in BAD_REQUESTS:
+                expected = await plain[0].request(line)
+                assert expected.startswith((b"400 ", b"0 Invalid Command")), (line, expected)
+                assert await cluster[0].request(line) == expected, line
+            # Nothing reached etcd: no entry, no session record, no lease.
+            root = nodes.prefix.encode()
+            assert await etcd_keys(etcd, root + b"q/") == []
+            assert await etcd_keys(etcd, root + b"s/") == []
+            for which, line in COMMON_REQUESTS:
+                expected = await plain[which].request(line)
+                got = await cluster[which].request(line)
+                assert got == expected, (which, line)
+            for line in (b"d", b"sd", b"dump", b"dump shared", b"d m", b"who nobody"):
+                await plain[0].send(line + b"\n")
+                await cluster[0].send(line + b"\n")
+                expected_lines = await plain[0].lines_until_end()
+                assert await cluster[0].lines_until_end() == expected_lines, line
+    finally:
+        stop_server(process)

@@ -1,0 +1,258 @@
+"""The cluster's grant rule, without etcd: :class:`elockd.cluster.mirror.QueueMirror`
+fed with the watch events etcd would send.
+
+A Hypothesis state machine plays etcd: requests enqueue (one revision per txn, an
+``mlock`` enters several queues at that revision), entries go away (release,
+timeout, lease expiry), ``sg`` entries hold at once, and watch batches arrive late
+and in uneven slices. The model keeps etcd's state at every revision and the grant
+facts (who was told "granted", at which revision), and checks them against the
+promise of PROTOCOL.md, not against the mirror's own formula:
+
+* safety: when a waiter is granted, the holders of each of its keys at that
+  revision (``sg`` entries, and entries of waiters granted earlier that are still
+  there) are fewer than its limit; for an exclusive key, none;
+* liveness: once the watch has caught up, no waiter still waits whose every older
+  limited entry holds and whose keys have fewer holders than its limit;
+* a waiter is told once; one whose entry vanished is told "lost".
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from elockd.cluster.etcd_client import Event, KeyValue
+from elockd.cluster.layout import EXCLUSIVE, SHARED, Layout, entry_value
+from elockd.cluster.mirror import GRANTED, LOST, WAITING, ClusterWaiter, QueueMirror
+
+LAYOUT = Layout(b"/t/")
+KEYS = (b"a", b"b", b"c")
+
+
+def put(
+    kind: bytes, key: bytes, lease: int, revision: int, limit: int, marked_at: int = 0
+) -> Event:
+    """An entry created at ``revision``; with ``marked_at``, its mark as held then."""
+    value = entry_value(limit, None, b"o", held=bool(marked_at))
+    kv = KeyValue(LAYOUT.entry(kind, key, lease), value, revision, marked_at or revision, lease)
+    return Event("PUT", kv, None)
+
+
+def delete(kind: bytes, key: bytes, lease: int, revision: int) -> Event:
+    kv = KeyValue(LAYOUT.entry(kind, key, lease), b"", 0, revision, 0)
+    return Event("DELETE", kv, None)
+
+
+def test_exclusive_handoff_is_fifo() -> None:
+    mirror = QueueMirror(LAYOUT)
+    mirror.apply([put(EXCLUSIVE, b"k", 1, 10, 1)])
+    woken: list[int] = []
+    waiters = []
+    for lease, revision in ((2, 11), (3, 12)):
+        mirror.apply([put(EXCLUSIVE, b"k", lease, revision, 1)])
+        waiter = ClusterWaiter([(EXCLUSIVE, b"k")], 1)
+        waiter.revision = revision
+        waiter.wake = lambda r=revision: woken.append(r)
+        mirror.add_waiter(waiter)
+        waiters.append(waiter)
+    assert woken == []
+    mirror.apply([delete(EXCLUSIVE, b"k", 1, 13)])
+    assert woken == [11]
+    assert [w.state for w in waiters] == [GRANTED, WAITING]
+    mirror.apply([delete(EXCLUSIVE, b"k", 2, 14)])
+    assert woken == [11, 12]
+
+
+def test_waiter_judged_only_once_the_mirror_reaches_its_revision() -> None:
+    mirror = QueueMirror(LAYOUT)
+    waiter = ClusterWaiter([(EXCLUSIVE, b"k")], 1)
+    waiter.revision = 5
+    mirror.add_waiter(waiter)  # its own PUT has not arrived yet: not lost, parked
+    assert waiter.state == WAITING
+    mirror.apply([put(EXCLUSIVE, b"k", 1, 5, 1)])
+    assert waiter.state == GRANTED
+
+
+def test_waiter_whose_entry_vanishes_is_lost() -> None:
+    mirror = QueueMirror(LAYOUT)
+    mirror.apply([put(EXCLUSIVE, b"k", 1, 3, 1), put(EXCLUSIVE, b"k", 2, 4, 1)])
+    waiter = ClusterWaiter([(EXCLUSIVE, b"k")], 1)
+    waiter.revision = 4
+    mirror.add_waiter(waiter)
+    mirror.apply([delete(EXCLUSIVE, b"k", 2, 5)])  # its session lease expired
+    assert waiter.state == LOST
+
+
+def test_multi_key_waiter_waits_for_every_queue() -> None:
+    mirror = QueueMirror(LAYOUT)
+    mirror.apply([put(EXCLUSIVE, b"x", 1, 2, 1)])
+    mirror.apply([put(EXCLUSIVE, b"x", 2, 3, 1), put(EXCLUSIVE, b"y", 2, 3, 1)])
+    both = ClusterWaiter([(EXCLUSIVE, b"x"), (EXCLUSIVE, b"y")], 1)
+    both.revision = 3
+    mirror.add_waiter(both)
+    mirror.apply([put(EXCLUSIVE, b"y", 3, 4, 1)])
+    later = ClusterWaiter([(EXCLUSIVE, b"y")], 1)
+    later.revision = 4
+    mirror.add_waiter(later)
+    assert (both.state, later.state) == (WAITING, WAITING)  # y's younger waiter queues
+    mirror.apply([delete(EXCLUSIVE, b"x", 1, 5)])
+    assert (both.state, later.state) == (GRANTED, WAITING)
+
+
+def test_counts_for_q() -> None:
+    mirror = QueueMirror(LAYOUT)
+    mirror.load(
+        9,
+        [
+            put(EXCLUSIVE, b"x", 1, 2, 1).kv,
+            put(EXCLUSIVE, b"x", 2, 3, 1).kv,
+            put(SHARED, b"s", 1, 4, 2, marked_at=8).kv,
+            put(SHARED, b"s", 2, 5, 2).kv,
+            put(SHARED, b"s", 3, 6, 2).kv,
+            put(SHARED, b"s", 4, 7, 0).kv,
+        ],
+    )
+    assert mirror.exclusive_locks() == 1
+    assert mirror.shared_locks() == 1
+    # Holders: the marked entry and the sg; the other two limit=2 entries wait.
+    assert mirror.shared_holders() == 2
+    assert mirror.waiting() == 3
+
+
+class EtcdAndMirror(RuleBasedStateMachine):
+    """etcd's queues (the model) and a mirror that sees them through a lagging watch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mirror = QueueMirror(LAYOUT)
+        self.revision = 1
+        self.mirror.load(1, [])
+        # etcd now: (kind, key) -> {revision: limit}; and as of every revision.
+        self.queues: dict[tuple[bytes, bytes], dict[int, int]] = {}
+        self.history: dict[int, dict[tuple[bytes, bytes], dict[int, int]]] = {1: {}}
+        self.undelivered: list[Event] = []
+        self.waiters: dict[int, ClusterWaiter] = {}  # by revision
+        self.granted: set[int] = set()  # revisions of waiters told "granted"
+        self.told: dict[int, int] = {}
+        self.violations: list[str] = []
+
+    def _commit(self, events: list[Event]) -> None:
+        self.undelivered.extend(events)
+        self.history[self.revision] = {q: dict(e) for q, e in self.queues.items() if e}
+
+    def _holders(self, state: dict[int, int], but: int) -> list[int]:
+        return [r for r, limit in state.items() if r != but and (limit == 0 or r in self.granted)]
+
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True),
+        shared=st.booleans(),
+        limit=st.integers(min_value=0, max_value=3),
+    )
+    def enqueue(self, keys: list[bytes], shared: bool, limit: int) -> None:
+        kind = SHARED if shared else EXCLUSIVE
+        if shared:
+            keys = keys[:1]
+        else:
+            limit = 1
+        self.revision += 1
+        lease = self._lease_of(self.revision)
+        events = []
+        for key in keys:
+            self.queues.setdefault((kind, key), {})[self.revision] = limit
+            events.append(put(kind, key, lease, self.revision, limit))
+        self._commit(events)
+        if limit:
+            waiter = ClusterWaiter([(kind, k) for k in keys], limit)
+            waiter.revision = self.revision
+            waiter.wake = lambda w=waiter: self._woken(w)
+            self.mirror.add_waiter(waiter)
+            self.waiters[self.revision] = waiter
+
+    def _woken(self, waiter: ClusterWaiter) -> None:
+        self.told[waiter.revision] = self.told.get(waiter.revision, 0) + 1
+        if waiter.state != GRANTED:
+            return
+        # Checked here, reported by an invariant: raising inside the mirror's call
+        # would leave it half-updated.
+        state = self.history[self.mirror.revision]
+        for queue_id in waiter.queues:
+            entries = state.get(queue_id, {})
+            if waiter.revision not in entries:
+                self.violations.append(f"granted {waiter.revision}, gone from {queue_id}")
+            holders = self._holders(entries, waiter.revision)
+            if len(holders) >= waiter.limit:
+                self.violations.append(
+                    f"granted {waiter.revision} (limit {waiter.limit}) at revision "
+                    f"{self.mirror.revision} beside holders {holders} of {queue_id}: {entries}"
+                )
+        self.granted.add(waiter.revision)
+        (kind, key), *_ = waiter.queues
+        if kind == SHARED and waiter.revision in self.queues.get((kind, key), {}):
+            # Its node marks it held, in a txn guarded by the entry's revision.
+            self.revision += 1
+            lease = self._lease_of(waiter.revision)
+            event = put(kind, key, lease, waiter.revision, waiter.limit, marked_at=self.revision)
+            self._commit([event])
+
+    @precondition(lambda self: any(self.queues.values()))
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        """A release, a timeout or an expired lease: every entry of one request."""
+        revisions = sorted({r for queue in self.queues.values() for r in queue})
+        gone = data.draw(st.sampled_from(revisions))
+        self.revision += 1
+        events = []
+        for (kind, key), queue in self.queues.items():
+            if gone in queue:
+                del queue[gone]
+                events.append(delete(kind, key, self._lease_of(gone), self.revision))
+        self._commit(events)
+        self.granted.discard(gone)
+
+    def _lease_of(self, revision: int) -> int:
+        return revision  # the model's leases: one per request, named by its revision
+
+    @precondition(lambda self: self.undelivered)
+    @rule(count=st.integers(min_value=1, max_value=4))
+    def deliver(self, count: int) -> None:
+        """The watch hands over the next few revisions' events in one batch."""
+        revisions = sorted({e.kv.mod_revision for e in self.undelivered})[:count]
+        batch = [e for e in self.undelivered if e.kv.mod_revision in revisions]
+        self.undelivered = [e for e in self.undelivered if e.kv.mod_revision not in revisions]
+        self.mirror.apply(batch)
+
+    @invariant()
+    def nobody_waits_for_nothing(self) -> None:
+        if self.undelivered:
+            return  # judged once the watch has caught up (deliver runs often)
+        for revision, waiter in self.waiters.items():
+            present = all(revision in self.queues.get(q, {}) for q in waiter.queues)
+            if waiter.state == LOST:
+                assert not present and self.told[revision] == 1
+            if waiter.state != WAITING:
+                continue
+            assert present, "a waiter whose entry is gone was not told"
+            assert revision not in self.told
+            eligible = all(
+                all(
+                    r in self.granted
+                    for r, limit in self.queues[q].items()
+                    if r < revision and limit
+                )
+                and len(self._holders(self.queues[q], revision)) < waiter.limit
+                for q in waiter.queues
+            )
+            assert not eligible, "a waiter that could hold was not granted"
+
+    @invariant()
+    def grants_keep_limits(self) -> None:
+        assert self.violations == []
+
+    @invariant()
+    def told_at_most_once(self) -> None:
+        assert all(count == 1 for count in self.told.values())
+
+
+EtcdAndMirror.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestMirrorAgainstEtcd = EtcdAndMirror.TestCase
