@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -366,13 +367,18 @@ class EtcdClient:
                     raise EtcdUnavailable(str(exc)) from exc
         raise EtcdUnavailable(f"{endpoint}: no status within {self.attempt_timeout}s")
 
-    def watch(self, key: bytes, range_end: bytes, start_revision: int) -> Watch:
+    def watch(
+        self, key: bytes, range_end: bytes, start_revision: int, *, silence: float | None = None
+    ) -> Watch:
         """Every change in [key, range_end) from ``start_revision`` on, as event batches.
 
         ``start_revision`` 0 means "from now". Use ``async with client.watch(..) as w:
-        async for batch in w`` so the stream is closed when the consumer stops.
+        async for batch in w`` so the stream is closed when the consumer stops. With
+        ``silence``, a stream that sends nothing for that long is taken for a hung
+        member and resumed on the next endpoint (the caller makes sure a healthy
+        stream is never that quiet, e.g. with a periodic write under the prefix).
         """
-        return Watch(self, key, range_end, start_revision)
+        return Watch(self, key, range_end, start_revision, silence)
 
 
 class Watch(AsyncIterator[list[Event]]):
@@ -387,13 +393,21 @@ class Watch(AsyncIterator[list[Event]]):
     a "created" reply with a start revision: while catching up, those carry the
     store's current revision, ahead of the events delivered so far.
 
-    Limits: one consumer task; a member that hangs (SIGSTOP, silent partition) while
-    serving an open stream stalls the watch until its connection breaks, because the
-    stream has no read timeout (a watch may be idle for ever).
+    Limits: one consumer task. Without ``silence``, a member that hangs (SIGSTOP,
+    silent partition) while serving an open stream stalls the watch until its
+    connection breaks, because the stream has no read timeout.
     """
 
-    def __init__(self, client: EtcdClient, key: bytes, range_end: bytes, start: int) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        key: bytes,
+        range_end: bytes,
+        start: int,
+        silence: float | None = None,
+    ) -> None:
         self._client = client
+        self._silence = math.inf if silence is None else silence
         self._create: dict[str, Any] = {
             "key": _b64(key),
             "range_end": _b64(range_end),
@@ -433,7 +447,12 @@ class Watch(AsyncIterator[list[Event]]):
                 if self._lines is None:
                     await self._connect()
                 assert self._lines is not None
-                events = self._absorb(await self._lines.__anext__())
+                line = None
+                with trio.move_on_after(self._silence):
+                    line = await self._lines.__anext__()
+                if line is None:
+                    raise _Retry(f"{self.endpoint}: watch silent for {self._silence} s")
+                events = self._absorb(line)
             except WatchCompacted:
                 await self.aclose()
                 raise

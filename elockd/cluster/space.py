@@ -79,11 +79,12 @@ class ClusterHold(Hold):
 class ClusterSession(Session):
     """A session of this node, with the etcd lease its entries are bound to."""
 
-    __slots__ = ("abort", "lease", "lost", "record_revision")
+    __slots__ = ("abort", "expires_at", "lease", "lost", "record_revision")
 
     def __init__(self, session_id: str, peer: bytes) -> None:
         super().__init__(session_id, peer)
         self.lease = 0
+        self.expires_at = math.inf  # by this node's clock: when etcd may drop the lease
         self.record_revision = 0  # mod revision of our last write of its record
         self.lost = False
         self.abort: Callable[[], None] | None = None  # ends its connection
@@ -227,8 +228,10 @@ class ClusterLockSpace:
         root = self.layout.root
         while True:
             try:
+                # Every node writes its heartbeat under the root every TTL/3, so a
+                # stream quiet for a whole TTL comes from a hung member.
                 async for events in self.client.watch(
-                    root, prefix_end(root), self.mirror.revision + 1
+                    root, prefix_end(root), self.mirror.revision + 1, silence=self.session_ttl
                 ):
                     self.mirror.apply(events)
             except WatchCompacted:
@@ -252,21 +255,35 @@ class ClusterLockSpace:
                         nursery.start_soon(self._keep_session_alive, session)
 
     async def _keep_node_alive(self) -> None:
+        """Keep the node's lease, and write its heartbeat: the write is also what
+        keeps every node's watch from falling silent (see :meth:`_watch`)."""
         try:
             if await self.client.lease_keepalive(self._node_lease) == 0:
                 self._node_lease = await self._start_heartbeat()
+            else:
+                node_key = self.layout.node(self.node_id)
+                await self.client.put(node_key, b"%d" % os.getpid(), self._node_lease)
         except (EtcdUnavailable, EtcdError):
             self._unavailable("node heartbeat")
 
     async def _keep_session_alive(self, session: ClusterSession) -> None:
         lease = session.lease
+        sent = trio.current_time()
         try:
             remaining = await self.client.lease_keepalive(lease)
         except (EtcdUnavailable, EtcdError):
             self._unavailable("session keepalive")
+            if sent > session.expires_at and session.lease == lease:
+                # etcd may have expired the lease by now: its holds are no longer
+                # this node's to promise. Fail closed.
+                self._lose(session, "etcd was unreachable for the whole session TTL")
             return
-        if remaining == 0 and session.lease == lease:
+        if session.lease != lease:
+            return
+        if remaining == 0:
             self._lose(session, "its etcd lease expired")
+        else:
+            session.expires_at = sent + remaining
 
     def _unavailable(self, what: str) -> None:
         self.backend_unavailable += 1
@@ -307,8 +324,10 @@ class ClusterLockSpace:
         if session.lost:
             raise BackendUnavailable("session lost")
         if not session.lease:
-            lease, _ = await self._etcd(self.client.lease_grant(self.session_ttl))
+            sent = trio.current_time()
+            lease, ttl = await self._etcd(self.client.lease_grant(self.session_ttl))
             session.lease = lease
+            session.expires_at = sent + ttl
             await self._write_record(session, connected=True)
         return session.lease
 
@@ -430,6 +449,12 @@ class ClusterLockSpace:
         if not claimed.succeeded:
             return None
         session.record_revision = claimed.revision
+        # Its old node no longer keeps the lease alive: refresh it before anything.
+        sent = trio.current_time()
+        remaining = await self._etcd(self.client.lease_keepalive(record.lease))
+        if remaining == 0:
+            return None
+        session.expires_at = sent + remaining
         await self._adopt_entries(session)
         self.sessions.pop(current.id, None)
         self._forget_empty(current)
