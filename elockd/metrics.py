@@ -150,6 +150,30 @@ class ElockdCollector(Collector):
             "How long holds lasted, from grant to release, disconnect or expiry.",
             timings.hold,
         )
+        for name, value in engine.extra_counters().items():
+            kind, metric, documentation = EXTRA_METRICS[name]
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(metric, documentation, value=value)
+
+
+#: The `q` lines only some backends have (a cluster node's), as metrics.
+EXTRA_METRICS = {
+    "backend_unavailable": (
+        "counter",
+        "elockd_backend_unavailable",
+        "Requests, keepalives and frees etcd did not answer in time (q: backend_unavailable).",
+    ),
+    "sessions_lost": (
+        "counter",
+        "elockd_sessions_lost",
+        "Sessions whose etcd lease expired under this node; their connections were closed.",
+    ),
+    "local_waiting": (
+        "gauge",
+        "elockd_local_waiters",
+        "Requests waiting on this node (elockd_waiters counts the whole cluster).",
+    ),
+}
 
 
 def histogram(name: str, documentation: str, per_kind: list[Buckets]) -> HistogramMetricFamily:

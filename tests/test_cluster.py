@@ -7,15 +7,18 @@ etcd needs on this machine (a few ms per txn).
 
 from __future__ import annotations
 
+import subprocess
 import time
+import urllib.request
 
 import trio
 
 from elockd.cluster.etcd_client import EtcdClient, prefix_end
 from tests.cluster_nodes import Node, Nodes
 from tests.conftest import LineClient
-from tests.etcd_cluster import EtcdCluster
+from tests.etcd_cluster import EtcdCluster, free_ports
 from tests.server_process import start_server, stop_server
+from tests.test_metrics import parse, tool, value
 
 
 async def test_exclusive_across_nodes_and_fifo_handoff(nodes: Nodes) -> None:
@@ -517,3 +520,43 @@ async def test_bad_requests_and_common_replies_match_the_in_memory_server(
                 assert await cluster[0].lines_until_end() == expected_lines, line
     finally:
         stop_server(process)
+
+
+# ---------------------------------------------------------------- monitoring
+
+
+async def test_q_and_metrics_show_node_counters_and_cluster_counts(nodes: Nodes) -> None:
+    metrics_port = free_ports(1)[0]
+    a = nodes.start("--metrics-port", str(metrics_port))
+    b = nodes.start()
+    here, there = await a.connect(), await b.connect()
+    with trio.fail_after(5):
+        assert await there.request(b"lock K") == b"200 Acquired"
+        assert await there.request(b"lock_shared S 0 limit=3") == b"200 1"
+        assert await here.request(b"lock_shared S 0 limit=3") == b"200 2"
+        assert await here.request(b"lock K 0.2") == b"409 Unavailable"
+        while (await here.stats())["locks"] != 1:  # the mirror trails etcd by a few ms
+            await trio.sleep(0.01)
+        stats = await here.stats()
+    # Cluster-wide: the lock taken through the other node. This node's own: its
+    # one timeout, its one connection, no unavailability.
+    assert (stats["locks"], stats["shared_locks"], stats["shared_holders"]) == (1, 1, 2)
+    assert (stats["timeouts"], stats["connections"], stats["backend_unavailable"]) == (1, 1, 0)
+    assert stats["sessions_lost"] == 0
+    text = await trio.to_thread.run_sync(scrape, metrics_port)
+    samples = parse(text)
+    assert value(samples, "elockd_keys", kind="exclusive") == 1
+    assert value(samples, "elockd_holders", kind="shared") == 2
+    assert value(samples, "elockd_backend_unavailable_total") == 0
+    assert value(samples, "elockd_sessions_lost_total") == 0
+    assert value(samples, "elockd_local_waiters") == 0
+    assert value(samples, "elockd_wait_timeouts_total") == 1
+    result = subprocess.run(
+        [tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()  # type: ignore[no-any-return]
