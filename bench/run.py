@@ -14,12 +14,28 @@ The hold row (10,000 connections x 100 locks, half of them shared) and the
 feature-cost row (10,000 waiters and 100,000 leases pending) are driven from this
 script with plain sockets, because they measure the server's memory and its
 disconnect work, not request rate.
+
+The etcd rows (``--only etcd`` runs just them, ``--skip etcd`` leaves them out;
+``--etcd-clients``, ``--etcd-session-ttl``) start a real 3-member etcd cluster
+(Debian's ``etcd-server``, through ``tests/etcd_cluster.py``) and two elockd nodes
+in cluster mode on one fresh key prefix, and drive them from threads of this
+script over plain sockets, one request per round trip: the operations take
+milliseconds, so the C generator is not needed, and the script's own CPU is
+printed to show it is not the limit. Two reference rows run the same two etcd
+txns per cycle straight against etcd's JSON gateway (no elockd), and two the same
+loop against an in-memory elockd. Nothing is pinned: three etcd members, the nodes
+and the clients share every core, so each row also prints how long a node waited
+for a core (``/proc/PID/task/*/schedstat``) and the whole machine's CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import functools
+import http.client
+import json
 import multiprocessing
 import os
 import resource
@@ -27,8 +43,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,12 +93,15 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], timeout: float = 
 
 
 @contextlib.contextmanager
-def running(command: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(
-        ["taskset", "-c", SERVER_CORE, *command],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def running(
+    command: list[str], port: int, core: str | None = SERVER_CORE, log: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` (pinned to ``core`` unless None) until the block ends; its
+    stderr goes to ``log`` when given. Stopped by its own pid."""
+    pinned = ["taskset", "-c", core, *command] if core is not None else command
+    with contextlib.ExitStack() as files:
+        stderr = files.enter_context(open(log, "ab")) if log else subprocess.DEVNULL
+        process = subprocess.Popen(pinned, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         wait_for_port(port, process)
         yield process
@@ -368,6 +391,479 @@ def waiters_and_leases(port: int, waiters: int, leases: int) -> Iterator[None]:
             sock.close()
 
 
+# ------------------------------------------------------------ etcd backend
+
+
+#: One acquire+release cycle: request, expected reply, request, expected reply.
+Cycle = tuple[bytes, bytes, bytes, bytes]
+WORD_CYCLE: Cycle = (b"lock %s\n", b"200 Acquired", b"unlock %s\n", b"200 Unlocked")
+TERSE_CYCLE: Cycle = (b"g %s\n", b"1 Got Lock", b"r %s\n", b"1 Released Lock")
+WAIT_CYCLE: Cycle = (b"lock %s 10\n", b"200 Acquired", b"unlock %s\n", b"200 Unlocked")
+
+
+@dataclass
+class Tally:
+    """What one client thread saw: (end time, seconds) per cycle, and its errors
+    (all counted, the first few kept)."""
+
+    cycles: list[tuple[float, float]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    error_count: int = 0
+
+    def error(self, text: str) -> None:
+        self.error_count += 1
+        if len(self.errors) < 5:
+            self.errors.append(text)
+
+
+@dataclass
+class Holders:
+    """Counts the clients that believe they hold the key: a client counts itself in
+    on its grant and out just before it sends the release. A sanity check, not a
+    proof: the window is short, so only a frequent double grant would show."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    now: int = 0
+    most: int = 0
+
+    def enter(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+@dataclass
+class Client:
+    """What a client thread runs: ``step`` makes one acquire+release cycle (raising
+    RuntimeError on a wrong reply), ``close`` ends the connection."""
+
+    step: Callable[[], None]
+    close: Callable[[], None]
+
+
+def client_loop(
+    connect: Callable[[], Client],
+    ready: threading.Barrier,
+    stop: threading.Event,
+    tally: Tally,
+) -> None:
+    """A warm-up cycle (an elockd node opens a connection's session on its first
+    lock), then cycles until ``stop``; a cycle under way when ``stop`` is set still
+    ends with its release. A wrong reply is counted and the loop goes on."""
+    passed = False
+    try:
+        client = connect()
+        try:
+            client.step()
+            ready.wait()
+            passed = True
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    client.step()
+                except RuntimeError as error:
+                    tally.error(str(error))
+                    continue
+                ended = time.monotonic()
+                tally.cycles.append((ended, ended - started))
+        finally:
+            client.close()
+    except (OSError, RuntimeError, ValueError, KeyError, threading.BrokenBarrierError) as error:
+        tally.error(repr(error))
+        if not passed:
+            ready.abort()
+
+
+def elockd_client(port: int, key: bytes, cycle: Cycle, holders: Holders | None) -> Client:
+    """A connection that runs ``cycle`` on ``key``, one request per round trip."""
+    lock_request, granted = cycle[0] % key, cycle[1]
+    unlock_request, released = cycle[2] % key, cycle[3]
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffer = bytearray()
+
+    def step() -> None:
+        sock.sendall(lock_request)
+        (line,) = read_lines(sock, 1, buffer)
+        if line != granted:
+            raise RuntimeError(f"{lock_request!r} -> {line!r}")
+        if holders:
+            holders.enter()
+            holders.leave()
+        sock.sendall(unlock_request)
+        (line,) = read_lines(sock, 1, buffer)
+        if line != released:
+            raise RuntimeError(f"{unlock_request!r} -> {line!r}")
+
+    return Client(step, sock.close)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def raw_etcd_client(endpoint: str, prefix: bytes, index: int) -> Client:
+    """The two txns a node sends for ``g K``/``r K`` (try-lock: enter the key's queue
+    if it is empty, entry on a lease; release: guarded delete, then read the queue),
+    sent straight to etcd's JSON gateway over one keep-alive connection: what etcd
+    gives on this box without elockd in between."""
+    host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        connection.request("POST", f"/v3/{path}", json.dumps(body), headers)
+        reply: dict[str, Any] = json.loads(connection.getresponse().read())
+        return reply
+
+    lease = post("lease/grant", {"TTL": 60})["ID"]
+    queue = prefix + b"raw/%d/" % index
+    entry, queue_end = _b64(queue + b"e"), _b64(queue[:-1] + b"0")
+    queue_b64 = _b64(queue)
+
+    def step() -> None:
+        taken = post(
+            "kv/txn",
+            {
+                "compare": [
+                    {
+                        "key": queue_b64,
+                        "range_end": queue_end,
+                        "target": "CREATE",
+                        "result": "EQUAL",
+                        "create_revision": "0",
+                    }
+                ],
+                "success": [{"request_put": {"key": entry, "value": _b64(b"1"), "lease": lease}}],
+                "failure": [{"request_range": {"key": queue_b64, "range_end": queue_end}}],
+            },
+        )
+        if not taken.get("succeeded"):
+            raise RuntimeError(f"raw acquire failed: {taken}")
+        freed = post(
+            "kv/txn",
+            {
+                "compare": [
+                    {
+                        "key": entry,
+                        "target": "CREATE",
+                        "result": "EQUAL",
+                        "create_revision": taken["header"]["revision"],
+                    }
+                ],
+                "success": [
+                    {"request_delete_range": {"key": entry}},
+                    {
+                        "request_range": {
+                            "key": queue_b64,
+                            "range_end": queue_end,
+                            "sort_target": "CREATE",
+                            "sort_order": "ASCEND",
+                        }
+                    },
+                ],
+            },
+        )
+        if not freed.get("succeeded"):
+            raise RuntimeError(f"raw release failed: {freed}")
+
+    return Client(step, connection.close)
+
+
+@dataclass
+class LoopResult:
+    cycles: int
+    seconds: float
+    latencies: list[float]
+    rates: dict[str, float]  # counter name -> its growth per second over the window
+    errors: list[str]
+    error_count: int
+    per_group: list[int]
+    most_holders: int
+
+    @property
+    def rate(self) -> float:
+        return self.cycles / self.seconds
+
+    def ms(self, fraction: float) -> float:
+        return percentile(self.latencies, fraction) * 1000 if self.latencies else float("nan")
+
+
+def run_loops(
+    connects: list[Callable[[], Client]],
+    seconds: float,
+    counters: dict[str, Callable[[], float]],
+    groups: int = 1,
+    holders: Holders | None = None,
+) -> LoopResult:
+    """One thread per client; counts the cycles that end within ``seconds`` after
+    every client is warm, per group (client ``i`` is in group ``i % groups``: the
+    node it talks to), and how fast each of ``counters`` grew meanwhile."""
+    ready = threading.Barrier(len(connects) + 1, timeout=60)
+    stop = threading.Event()
+    tallies = [Tally() for _ in connects]
+    threads = [
+        threading.Thread(target=client_loop, args=(connect, ready, stop, tally), daemon=True)
+        for connect, tally in zip(connects, tallies, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+
+    def sample() -> dict[str, float]:
+        return {name: counter() for name, counter in counters.items()}
+
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        errors = [error for tally in tallies for error in tally.errors]
+        raise RuntimeError(f"clients failed to start: {errors[:5]}") from None
+    before, started = sample(), time.monotonic()
+    time.sleep(seconds)
+    after, ended = sample(), time.monotonic()
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    if any(thread.is_alive() for thread in threads):
+        raise RuntimeError("a client is still waiting 60 s after the row ended")
+    window = ended - started
+    counted = [
+        [latency for end, latency in tally.cycles if started <= end <= ended] for tally in tallies
+    ]
+    per_group = [sum(len(c) for c in counted[group::groups]) for group in range(groups)]
+    return LoopResult(
+        cycles=sum(per_group),
+        seconds=window,
+        latencies=[latency for latencies in counted for latency in latencies],
+        rates={name: (after[name] - before[name]) / window for name in after},
+        errors=[error for tally in tallies for error in tally.errors],
+        error_count=sum(tally.error_count for tally in tallies),
+        per_group=per_group,
+        most_holders=holders.most if holders else 0,
+    )
+
+
+def on(port: int, key: bytes, cycle: Cycle, holders: Holders | None = None) -> Callable[[], Client]:
+    """A client of the elockd on ``port`` (connects when called, in its thread)."""
+    return functools.partial(elockd_client, port, key, cycle, holders)
+
+
+def etcd_node_command(port: int, endpoints: list[str], prefix: str, ttl: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "elockd",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--etcd",
+        ",".join(endpoints),
+        "--etcd-prefix",
+        prefix,
+        "--session-ttl",
+        str(ttl),
+        "--log-level",
+        "warning",
+    ]
+
+
+def box_busy_seconds() -> float:
+    """CPU time every process on the machine used so far (all cores), from /proc/stat."""
+    ticks = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / CLOCK_TICKS  # less idle and iowait
+
+
+def queued_seconds(pid: int) -> float:
+    """Time the process's threads spent runnable but waiting for a core so far
+    (/proc/PID/task/*/schedstat, second field, ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
+
+
+def etcd_metric(url: str, name: str) -> float:
+    """One unlabelled counter from an etcd member's /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise RuntimeError(f"{name} not in {url}/metrics")
+
+
+def process_counters(name: str, pid: int) -> dict[str, Callable[[], float]]:
+    return {name: lambda: cpu_seconds(pid), f"{name} queued": lambda: queued_seconds(pid)}
+
+
+def print_etcd_row(name: str, clients: int, result: LoopResult) -> None:
+    rates = result.rates
+    nodes = [n for n in sorted(rates) if n.startswith("node") and not n.endswith("queued")]
+    node_cpu = sum(rates[n] for n in nodes)
+    etcd = rates.get("etcd")
+    per_cycle = "-"
+    if result.cycles:
+        node_cost = f"{node_cpu / result.rate * 1000:.2f}" if nodes else "-"
+        etcd_cost = "" if etcd is None else f" / {etcd / result.rate * 1000:.1f}"
+        per_cycle = node_cost + etcd_cost
+    notes = [f"{result.error_count} errors"]
+    if len(result.per_group) > 1:
+        notes.append("per node " + " / ".join(f"{count:,}" for count in result.per_group))
+    if result.most_holders:
+        notes.append(f"most holders at once {result.most_holders}")
+    if "commits" in rates:
+        notes.append(f"etcd {rates['commits']:,.0f} commits/s")
+    node_column = (
+        " + ".join(f"{rates[n] * 100:.0f} (+{rates[n + ' queued'] * 100:.0f})" for n in nodes)
+        or "-"
+    )
+    print(
+        f"| {name} | {clients} | {result.rate:,.0f} | {result.ms(0.5):.2f} / "
+        f"{result.ms(0.99):.2f} / {max(result.latencies, default=float('nan')) * 1000:.2f} | "
+        f"{node_column} | {'-' if etcd is None else f'{etcd * 100:.0f}'} | {per_cycle} | "
+        f"{rates['client'] * 100:.0f} | {rates['box'] * 100:.0f} | {'; '.join(notes)} |",
+        flush=True,
+    )
+    for error in result.errors[:5]:
+        print(f"    error: {error}", flush=True)
+
+
+def etcd_rows(seconds: float, clients: int, ttl: int) -> None:
+    """The etcd backend rows; see the module docstring and docs/performance.md."""
+    sys.path.insert(0, str(ROOT))
+    from tests.etcd_cluster import EtcdCluster
+
+    print()
+    print(
+        f"etcd backend: 3 etcd members, 2 elockd nodes and the clients (threads of this "
+        f"script) share {os.cpu_count()} cores, unpinned; {seconds:g} s per row. A cycle "
+        "is one acquire+release, each request on its own round trip. CPU in % of one core; "
+        "node: on a core (+ runnable but waiting for one); box: every process on the "
+        "machine, ours included. CPU ms per cycle: the nodes together / all 3 etcd members."
+    )
+    prefix = f"/bench-{uuid.uuid4().hex[:10]}/"
+    results: dict[str, LoopResult] = {}
+    with contextlib.ExitStack() as stack:
+        base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="elockd-bench-etcd-")))
+        cluster = EtcdCluster(base)
+        stack.callback(cluster.close)
+        cluster.start()
+        members = [m.process.pid for m in cluster.members.values() if m.process]
+        ports = [free_port(), free_port()]
+        nodes = [
+            stack.enter_context(
+                running(
+                    etcd_node_command(port, cluster.endpoints, prefix, ttl),
+                    port,
+                    core=None,
+                    log=base / f"node{index + 1}.log",
+                )
+            )
+            for index, port in enumerate(ports)
+        ]
+        common: dict[str, Callable[[], float]] = {
+            "client": time.process_time,
+            "box": box_busy_seconds,
+            "etcd": lambda: sum(cpu_seconds(pid) for pid in members),
+            "commits": lambda: etcd_metric(
+                cluster.endpoints[0], "etcd_server_proposals_committed_total"
+            ),
+        }
+        one = {**common, **process_counters("node1", nodes[0].pid)}
+        both = {**one, **process_counters("node2", nodes[1].pid)}
+        before = {name: counter() for name, counter in both.items()}
+        time.sleep(2)
+        idle = {name: (counter() - before[name]) / 2 for name, counter in both.items()}
+        print(
+            f"Idle for 2 s before the rows: etcd {idle['etcd'] * 100:.0f} %, nodes "
+            f"{idle['node1'] * 100:.0f} + {idle['node2'] * 100:.0f} %, etcd "
+            f"{idle['commits']:.1f} commits/s, box {idle['box'] * 100:.0f} %."
+        )
+        print()
+        print(
+            "| row | clients | acquire+release/s | cycle p50 / p99 / max ms | node CPU % | "
+            "etcd CPU % | CPU ms per cycle node / etcd | client CPU % | box CPU % | notes |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+
+        own = [b"own:%d" % i for i in range(clients)]
+        hot = Holders()
+        rows: list[tuple[str, list[Callable[[], Client]], dict[str, Any], Holders | None]] = [
+            (
+                "latency, 1 node, `lock K`/`unlock K`",
+                [on(ports[0], b"lat:w", WORD_CYCLE)],
+                one,
+                None,
+            ),
+            ("latency, 1 node, `g K`/`r K`", [on(ports[0], b"lat:t", TERSE_CYCLE)], one, None),
+            ("own keys, 1 node", [on(ports[0], k, WORD_CYCLE) for k in own], one, None),
+            (
+                "own keys, 2 nodes",
+                [on(ports[i % 2], k, WORD_CYCLE) for i, k in enumerate(own)],
+                both,
+                None,
+            ),
+            (
+                "one key, `lock K 10`, 2 nodes (handoffs)",
+                [on(ports[i % 2], b"hot", WAIT_CYCLE, hot) for i in range(clients)],
+                both,
+                hot,
+            ),
+        ]
+        for name, connects, counters, holders in rows:
+            groups = 2 if counters is both else 1
+            results[name] = run_loops(connects, seconds, counters, groups, holders)
+            print_etcd_row(name, len(connects), results[name])
+        # etcd alone: the same two txns per cycle from threads straight to one member,
+        # outside the nodes' prefix (their watches do not see these keys).
+        raw_prefix = f"/bench-raw-{uuid.uuid4().hex[:10]}/".encode()
+        raw: list[Callable[[], Client]] = [
+            functools.partial(raw_etcd_client, cluster.endpoints[0], raw_prefix, i)
+            for i in range(clients)
+        ]
+        for name, connects in (
+            ("etcd alone, 1 client (no elockd)", raw[:1]),
+            ("etcd alone (no elockd)", raw),
+        ):
+            results[name] = run_loops(connects, seconds, common)
+            print_etcd_row(name, len(connects), results[name])
+        if any(result.error_count for result in results.values()):
+            for index in range(len(nodes)):
+                log = (base / f"node{index + 1}.log").read_text(errors="replace").splitlines()
+                print(f"--- node{index + 1}.log (last lines)\n" + "\n".join(log[-20:]))
+            print(cluster.log_tails(5))
+    # The same one-client loops against a plain in-memory elockd, as the reference.
+    port = free_port()
+    with running(elockd_command(port), port, core=None) as plain:
+        memory: dict[str, Callable[[], float]] = {
+            "client": time.process_time,
+            "box": box_busy_seconds,
+            **process_counters("node", plain.pid),
+        }
+        for name, key, cycle in (
+            ("latency, in memory, `lock K`/`unlock K`", b"lat:w", WORD_CYCLE),
+            ("latency, in memory, `g K`/`r K`", b"lat:t", TERSE_CYCLE),
+        ):
+            results[name] = run_loops([on(port, key, cycle)], seconds, memory)
+            print_etcd_row(name, 1, results[name])
+    ratios = []
+    for family in ("`lock K`/`unlock K`", "`g K`/`r K`"):
+        etcd_p50 = results[f"latency, 1 node, {family}"].ms(0.5)
+        memory_p50 = results[f"latency, in memory, {family}"].ms(0.5)
+        ratios.append(
+            f"{family} {etcd_p50:.2f} / {memory_p50:.3f} ms = {etcd_p50 / memory_p50:,.0f}x"
+        )
+    print()
+    print("One client's cycle p50, etcd / in memory: " + ", ".join(ratios), flush=True)
+
+
 # ----------------------------------------------------------------- report
 
 
@@ -390,6 +886,16 @@ def print_row(name: str, ours: Result, redis: Result | None) -> None:
     )
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}")
+        return value
+
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each row")
@@ -404,28 +910,56 @@ def main() -> None:
     parser.add_argument("--hold-locks", type=int, default=100, help="locks per connection")
     parser.add_argument("--waiters", type=int, default=10_000)
     parser.add_argument("--leases", type=int, default=100_000)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["throughput", "hold", "features"])
+    groups = ["throughput", "hold", "features", "etcd"]
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=groups, help="row groups to leave out"
+    )
+    parser.add_argument("--only", nargs="*", choices=groups, help="run only these row groups")
+    parser.add_argument(
+        "--etcd-clients",
+        type=at_least(1),
+        default=16,
+        help="concurrent clients in the etcd load rows (half on each node in the 2-node rows)",
+    )
+    parser.add_argument(
+        "--etcd-session-ttl",
+        type=at_least(2),
+        default=5,
+        help="--session-ttl of the etcd-backed nodes",
+    )
     options = parser.parse_args()
+    run = {group for group in options.only or groups if group not in options.skip}
+    if "etcd" in run and shutil.which("etcd") is None:
+        if options.only:
+            raise SystemExit("etcd is not installed (apt-get install etcd-server)")
+        print("etcd not installed: no etcd rows (apt-get install etcd-server)")
+        run.discard("etcd")
 
+    print(f"# elockd bench, {options.seconds:g} s per row; {time.strftime('%Y-%m-%d %H:%M')}")
+    if run & {"throughput", "hold", "features"}:
+        pinned_rows(options, run)
+    if "etcd" in run:
+        etcd_rows(options.seconds, options.etcd_clients, options.etcd_session_ttl)
+
+
+def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
+    """The rows against the in-memory server: pinned, with the C generator."""
     if shutil.which("taskset") is None:
         raise SystemExit("taskset (util-linux) is needed to pin server and load generator")
     loadgen = options.loadgen or build_loadgen(options.loadgen_src)
     have_redis = shutil.which("redis-server") is not None
     if not have_redis:
         print("redis-server not installed: no Redis column (apt-get install redis-server)")
-    print(
-        f"# elockd bench, {options.seconds:g} s per row, server on core {SERVER_CORE}, "
-        f"load generator on core {LOADGEN_CORE}; {time.strftime('%Y-%m-%d %H:%M')}"
-    )
-    print()
-    print(
-        "| workload (50 connections) | elockd req/s | p50 / p99 µs | server CPU µs/req | "
-        "CPU s loadgen / server | RSS MiB | Redis req/s | ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"server on core {SERVER_CORE}, load generator on core {LOADGEN_CORE}")
     elockd_port, redis_port = free_port(), free_port()
     plain_pair: Result | None = None
-    if "throughput" not in options.skip:
+    if "throughput" in run:
+        print()
+        print(
+            "| workload (50 connections) | elockd req/s | p50 / p99 µs | server CPU µs/req | "
+            "CPU s loadgen / server | RSS MiB | Redis req/s | ratio |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         with (
             running(elockd_command(elockd_port), elockd_port) as ours,
             contextlib.ExitStack() as stack,
@@ -447,7 +981,7 @@ def main() -> None:
                 print_row(name, ours_result, redis_result)
                 if plain_pair is None:
                     plain_pair = ours_result
-    if "features" not in options.skip:
+    if "features" in run:
         # Two servers, one plain and one with the waiters and leases, measured in
         # turn three times each: the median ratio resists a noisy neighbour.
         loaded_port = free_port()
@@ -479,7 +1013,7 @@ def main() -> None:
             f"{loaded.rps:,.0f} req/s ({loaded.server_us_per_request:.2f} µs CPU/req): "
             f"{loaded.rps / plain.rps:.2f}x"
         )
-    if "hold" not in options.skip:
+    if "hold" in run:
         with running(elockd_command(elockd_port), elockd_port) as ours:
             hold = hold_row(elockd_port, ours.pid, options.hold_conns, options.hold_locks)
         print()
