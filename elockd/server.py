@@ -374,6 +374,9 @@ def make_service(config: Config) -> Service:
     return Service(config, engine, auth_token=token)
 
 
+MAX_CLUSTER_KEYS = 64
+
+
 def make_cluster_service(config: Config, engine: LockEngine, token: bytes | None) -> Service:
     """A node of a cluster: locks live in etcd; ``engine`` stays idle."""
     from elockd.cluster.commands import CLUSTER_COMMANDS
@@ -381,6 +384,10 @@ def make_cluster_service(config: Config, engine: LockEngine, token: bytes | None
     from elockd.cluster.space import ClusterLockSpace
 
     assert config.etcd
+    if config.max_keys > MAX_CLUSTER_KEYS:
+        # One mlock is one etcd txn: a put and a count per key, and etcd's default
+        # --max-txn-ops is 128.
+        raise ValueError(f"--max-keys above {MAX_CLUSTER_KEYS} does not fit one etcd txn")
     endpoints = [url.strip() for url in config.etcd.split(",") if url.strip()]
     client = EtcdClient(endpoints, deadline=config.etcd_timeout)
     space = ClusterLockSpace(

@@ -132,6 +132,8 @@ class QueueMirror:
         self.revision = 0
         self.queues: dict[QueueId, Queue] = {}
         self._located: dict[bytes, tuple[QueueId, int]] = {}  # etcd key -> where it is
+        # Every entry by the lease it is bound to: etcd key -> create revision.
+        self.by_lease: dict[int, dict[bytes, int]] = {}
         self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
         self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
         self.on_other = on_other  # events on keys that are not queue entries
@@ -142,6 +144,7 @@ class QueueMirror:
         """Start over from a range read at ``revision``, then judge every waiter."""
         self.queues.clear()
         self._located.clear()
+        self.by_lease.clear()
         self.revision = revision
         for kv in kvs:
             self._put(kv)
@@ -168,6 +171,7 @@ class QueueMirror:
                 where = self._located.pop(kv.key, None)
                 if where is not None:
                     queue_id, revision = where
+                    self._unindex(kv.key)
                     queue = self.queues[queue_id]
                     queue.remove(revision)
                     if not queue.entries:
@@ -193,7 +197,18 @@ class QueueMirror:
         entry = Entry(kv.key, kv.create_revision, name.lease, parse_entry_value(kv.value))
         self.queues.setdefault(name.queue, Queue()).add(entry)
         self._located[kv.key] = (name.queue, kv.create_revision)
+        self.by_lease.setdefault(name.lease, {})[kv.key] = kv.create_revision
         return name.queue
+
+    def _unindex(self, etcd_key: bytes) -> None:
+        name = self.layout.parse_entry(etcd_key)
+        if name is None:
+            return
+        entries = self.by_lease.get(name.lease)
+        if entries is not None:
+            entries.pop(etcd_key, None)
+            if not entries:
+                del self.by_lease[name.lease]
 
     # ---------------------------------------------------------------- waiters
 

@@ -17,6 +17,7 @@ quorum every decision fails closed with :class:`~elockd.protocol.BackendUnavaila
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -25,7 +26,7 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -79,11 +80,13 @@ class ClusterHold(Hold):
 class ClusterSession(Session):
     """A session of this node, with the etcd lease its entries are bound to."""
 
-    __slots__ = ("abort", "expires_at", "lease", "lost", "record_revision")
+    __slots__ = ("abort", "expires_at", "lease", "lost", "pending", "record_revision")
 
     def __init__(self, session_id: str, peer: bytes) -> None:
         super().__init__(session_id, peer)
         self.lease = 0
+        # Entries a request of this session is creating right now: not strays.
+        self.pending: set[bytes] = set()
         self.expires_at = math.inf  # by this node's clock: when etcd may drop the lease
         self.record_revision = 0  # mod revision of our last write of its record
         self.lost = False
@@ -137,6 +140,8 @@ class ClusterLockSpace:
         self._tiebreak = itertools.count()
         self._nursery: trio.Nursery | None = None
         self._node_lease = 0
+        self._by_lease: dict[int, ClusterSession] = {}
+        self._revoking: set[int] = set()  # leases of ended sessions not revoked yet
         self.on_new_deadline: Callable[[], None] | None = None
         self.on_hold_end: Callable[[bool, float], None] | None = None
         self.on_holds_end: Callable[[bool, list[float]], None] | None = None
@@ -185,18 +190,23 @@ class ClusterLockSpace:
                 self._nursery = nursery
                 nursery.start_soon(self._watch)
                 nursery.start_soon(self._keep_alive)
+                nursery.start_soon(self._heartbeat)
                 log.info("node %s joined at revision %d", self.node_id, self.mirror.revision)
                 task_status.started()
         finally:
             self._nursery = None
             with trio.move_on_after(SHUTDOWN_GRACE) as cleanup:
                 cleanup.shield = True
-                leases = [s.lease for s in self.sessions.values() if s.lease] + [self._node_lease]
-                for lease in leases:
-                    try:
-                        await self.client.lease_revoke(lease)
-                    except (EtcdUnavailable, EtcdError):
-                        break
+                leases = {s.lease for s in self.sessions.values() if s.lease and not s.lost}
+                leases |= self._revoking
+                leases.add(self._node_lease)
+                async with trio.open_nursery() as revokes:
+                    for lease in leases:
+                        revokes.start_soon(self._revoke_quietly, lease)
+
+    async def _revoke_quietly(self, lease: int) -> None:
+        with contextlib.suppress(EtcdUnavailable, EtcdError):
+            await self.client.lease_revoke(lease)
 
     async def _load_token_floor(self) -> None:
         """The first node of a new cluster records the wall clock in nanoseconds as
@@ -214,8 +224,7 @@ class ClusterLockSpace:
         self.token_floor = int(kvs[0].value) if kvs else 0
 
     async def _start_heartbeat(self) -> int:
-        ttl = max(2, self.session_ttl // 2)
-        lease, _ = await self.client.lease_grant(ttl)
+        lease, _ = await self.client.lease_grant(self._heartbeat_ttl())
         await self.client.put(self.layout.node(self.node_id), b"%d" % os.getpid(), lease)
         return lease
 
@@ -244,27 +253,40 @@ class ClusterLockSpace:
                         await trio.sleep(0.5)
 
     async def _keep_alive(self) -> None:
-        """Every TTL/3, one keepalive per live session lease and the node's own."""
+        """Every TTL/3: one keepalive per live session lease, then the stray sweep."""
         period = self.session_ttl / 3
         while True:
             await trio.sleep(period)
+            now = trio.current_time()
+            for session in list(self.sessions.values()):
+                if session.lease and not session.lost and now > session.expires_at:
+                    # etcd may have expired the lease: its holds are no longer this
+                    # node's to promise. Fail closed.
+                    self._lose(session, "etcd was not reached for a whole session TTL")
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._keep_node_alive)
                 for session in list(self.sessions.values()):
                     if session.lease and not session.lost:
                         nursery.start_soon(self._keep_session_alive, session)
+            await self._sweep()
 
-    async def _keep_node_alive(self) -> None:
-        """Keep the node's lease, and write its heartbeat: the write is also what
-        keeps every node's watch from falling silent (see :meth:`_watch`)."""
-        try:
-            if await self.client.lease_keepalive(self._node_lease) == 0:
-                self._node_lease = await self._start_heartbeat()
-            else:
-                node_key = self.layout.node(self.node_id)
-                await self.client.put(node_key, b"%d" % os.getpid(), self._node_lease)
-        except (EtcdUnavailable, EtcdError):
-            self._unavailable("node heartbeat")
+    async def _heartbeat(self) -> None:
+        """The node's own lease, renewed in a loop of its own (a slow session
+        keepalive must not let it lapse), and a write of its key: that write is also
+        what keeps every node's watch from falling silent (see :meth:`_watch`)."""
+        ttl = self._heartbeat_ttl()
+        while True:
+            await trio.sleep(ttl / 4)
+            try:
+                if await self.client.lease_keepalive(self._node_lease) == 0:
+                    self._node_lease = await self._start_heartbeat()
+                else:
+                    node_key = self.layout.node(self.node_id)
+                    await self.client.put(node_key, b"%d" % os.getpid(), self._node_lease)
+            except (EtcdUnavailable, EtcdError):
+                self._unavailable("node heartbeat")
+
+    def _heartbeat_ttl(self) -> int:
+        return max(2, self.session_ttl // 2)
 
     async def _keep_session_alive(self, session: ClusterSession) -> None:
         lease = session.lease
@@ -273,10 +295,6 @@ class ClusterLockSpace:
             remaining = await self.client.lease_keepalive(lease)
         except (EtcdUnavailable, EtcdError):
             self._unavailable("session keepalive")
-            if sent > session.expires_at and session.lease == lease:
-                # etcd may have expired the lease by now: its holds are no longer
-                # this node's to promise. Fail closed.
-                self._lose(session, "etcd was unreachable for the whole session TTL")
             return
         if session.lease != lease:
             return
@@ -284,6 +302,27 @@ class ClusterLockSpace:
             self._lose(session, "its etcd lease expired")
         else:
             session.expires_at = sent + remaining
+
+    async def _sweep(self) -> None:
+        """Delete entries of this node's sessions that no hold and no running request
+        owns: left by a free that etcd refused, a request cancelled while its txn
+        was in flight, or an answer lost after a commit. Judged on the mirror, and
+        every delete is guarded by the entry's revision and the session record."""
+        for lease, entries in list(self.mirror.by_lease.items()):
+            session = self._by_lease.get(lease)
+            if session is None or session.lost:
+                continue
+            held = {self._entry_key(h): h.revision for h in self._holds(session)}
+            strays = [
+                (key, revision)
+                for key, revision in entries.items()
+                if key not in session.pending and held.get(key) != revision
+            ]
+            if strays:
+                try:
+                    await self._delete_entries(session, strays)
+                except (EtcdUnavailable, EtcdError, BackendUnavailable):
+                    return  # next round
 
     def _unavailable(self, what: str) -> None:
         self.backend_unavailable += 1
@@ -300,7 +339,8 @@ class ClusterLockSpace:
 
     def _spawn(self, job: Callable[[], Awaitable[object]], what: str) -> None:
         """Run etcd work that no request waits for (frees after a disconnect, lease
-        ends). If etcd is down it is logged: the session lease frees it anyway."""
+        ends). If etcd is down it is logged: the stray sweep or the session lease
+        frees it later."""
         nursery = self._nursery
         if nursery is None:
             return
@@ -308,7 +348,7 @@ class ClusterLockSpace:
         async def run() -> None:
             try:
                 await job()
-            except (EtcdUnavailable, EtcdError) as error:
+            except (EtcdUnavailable, EtcdError, BackendUnavailable) as error:
                 self._unavailable(f"{what}: {error}")
 
         nursery.start_soon(run)
@@ -328,15 +368,46 @@ class ClusterLockSpace:
             lease, ttl = await self._etcd(self.client.lease_grant(self.session_ttl))
             session.lease = lease
             session.expires_at = sent + ttl
+            self._by_lease[lease] = session
             await self._write_record(session, connected=True)
         return session.lease
 
-    async def _write_record(self, session: ClusterSession, *, connected: bool) -> None:
-        value = b"%s %d" % (self.node_id.encode(), connected)
-        revision = await self._etcd(
-            self.client.put(self.layout.session_record(session.id), value, session.lease)
+    def _record_guard(self, session: ClusterSession) -> dict[str, Any]:
+        """A compare that holds only while this node still owns the session: every
+        write that frees something of a session carries it, so a node that lost a
+        session to a ``conn_id`` elsewhere (a pause, a late timer) frees nothing."""
+        return compare_mod(self.layout.session_record(session.id), "==", session.record_revision)
+
+    def _record_value(self, session: ClusterSession, *, connected: bool) -> bytes:
+        grace_ms = round(session.grace * 1000)
+        return b"%s %d %d" % (self.node_id.encode(), connected, grace_ms)
+
+    async def _write_record(self, session: ClusterSession, *, connected: bool) -> bool:
+        """Write the session's record, guarded by our last write of it: False when
+        another node has claimed the session meanwhile (it is then let go here)."""
+        record_key = self.layout.session_record(session.id)
+        value = self._record_value(session, connected=connected)
+        guard = (
+            compare_mod(record_key, "==", session.record_revision)
+            if session.record_revision
+            else compare_create(record_key, "==", 0)
         )
-        session.record_revision = revision
+        result = await self._etcd(
+            self.client.txn(
+                [guard], [put_op(record_key, value, session.lease)], [range_op(record_key)]
+            ),
+            session,
+        )
+        if result.succeeded:
+            session.record_revision = result.revision
+            return True
+        found = result.kvs(0)
+        if found and found[0].value == value and found[0].lease == session.lease:
+            # A retried write whose first attempt committed.
+            session.record_revision = found[0].mod_revision
+            return True
+        self._moved(session, "its record changed")
+        return False
 
     def disconnect(self, session: Session, now: float) -> None:
         """The connection is gone: plain holds go now (grace 0) or when the grace time
@@ -367,19 +438,47 @@ class ClusterLockSpace:
             self._drop(hold, now)
         if session.lease and not session.lost and not session.is_empty():
             # Leases live on: free only the plain holds, keep the session for conn_id.
-            entries = [self._entry_key(h) for h in plain]
-            if entries:
-                self._spawn(lambda: self._delete_entries(entries), "free orphaned holds")
-            self._spawn(lambda: self._write_record(session, connected=False), "session record")
+            entries = [(self._entry_key(h), h.revision) for h in plain]
+
+            async def free_orphans() -> None:
+                # In this order: the record write moves the guard the deletes carry.
+                await self._delete_entries(session, entries)
+                await self._write_record(session, connected=False)
+
+            self._spawn(free_orphans, "free orphaned holds")
             return
         self._forget(session)
 
     def _forget(self, session: ClusterSession) -> None:
-        """The session is over: revoke its lease (every entry goes with it)."""
+        """The session is over: delete its record (guarded: only while it is still
+        ours), then revoke its lease, which takes every entry with it."""
+        self._let_go(session)
+        lease = session.lease
+        session.lease = 0
+        if not lease or session.lost:
+            return
+        record_key = self.layout.session_record(session.id)
+        record_revision = session.record_revision
+        self._revoking.add(lease)
+
+        async def end() -> None:
+            result = await self.client.txn(
+                [compare_mod(record_key, "==", record_revision)], [delete_op(record_key)]
+            )
+            if not result.succeeded:
+                _, found, _ = await self.client.get(record_key)
+                if found and _parse_record(found[0].value)[0] != self.node_id:
+                    self._revoking.discard(lease)
+                    return  # claimed by another node meanwhile: not ours to end
+            await self.client.lease_revoke(lease)
+            self._revoking.discard(lease)
+
+        self._spawn(end, "end a session")
+
+    def _let_go(self, session: ClusterSession) -> None:
         self.sessions.pop(session.id, None)
-        lease, session.lease = session.lease, 0
-        if lease and not session.lost:
-            self._spawn(lambda: self.client.lease_revoke(lease), "revoke session")
+        if self._by_lease.get(session.lease) is session:
+            del self._by_lease[session.lease]
 
     def _lose(self, session: ClusterSession, why: str) -> None:
         """etcd no longer has this session: everything it held is gone already."""
@@ -388,32 +487,44 @@ class ClusterLockSpace:
         session.lost = True
         self.sessions_lost += 1
         log.warning("session %s lost: %s; closing its connection", session.id[:8], why)
+        self._drop_all(session)
+        if not session.connected:
+            self._let_go(session)
+
+    def _moved(self, session: ClusterSession, why: str) -> None:
+        """Another node took the session over (``conn_id`` there): let go of it here
+        without freeing anything, and end its connection here if it has one."""
+        if session.lost:
+            return
+        session.lost = True  # for this node: nothing more may be done with it
+        log.warning("session %s taken over elsewhere (%s)", session.id[:8], why)
+        if session.grace_deadline is not None:
+            self.sessions_in_grace -= 1
+            session.grace_deadline = None
+        for hold in self._holds(session):
+            self._untrack(hold)
+        if session.abort is not None:
+            session.abort()
+        self._let_go(session)
+
+    def _drop_all(self, session: ClusterSession) -> None:
         now = trio.current_time()
         for hold in self._holds(session):
             self._drop(hold, now)
         if session.abort is not None:
             session.abort()
-        if not session.connected:
-            self.sessions.pop(session.id, None)
 
     def _record_changed(self, event: Event) -> None:
-        """A session record moved to another node (``conn_id`` there): this node
-        lets go of the session without freeing anything."""
-        if not event.kv.key.startswith(self.layout.sessions) or event.type == "DELETE":
+        """A session record claimed by another node (``conn_id`` there)."""
+        kv = event.kv
+        if event.type == "DELETE" or not kv.key.startswith(self.layout.sessions):
             return
-        node = event.kv.value.split(b" ", 1)[0].decode(errors="replace")
-        if node == self.node_id:
+        session = self._by_lease.get(kv.lease)
+        if session is None or kv.mod_revision <= session.record_revision:
             return
-        for session in list(self.sessions.values()):
-            if session.lease == event.kv.lease and not session.connected and session.lease:
-                log.info("session %s taken over by node %s", session.id[:8], node)
-                if session.grace_deadline is not None:
-                    self.sessions_in_grace -= 1
-                    session.grace_deadline = None
-                for hold in self._holds(session):
-                    self._untrack(hold)
-                session.lease = 0
-                self.sessions.pop(session.id, None)
+        node = kv.value.split(b" ", 1)[0].decode(errors="replace")
+        if node != self.node_id:
+            self._moved(session, f"node {node} claimed it")
 
     async def take_over(self, session_id: str, current: ClusterSession) -> ClusterSession | None:
         """``conn_id ID``: a disconnected session of this node, or one whose node
@@ -424,41 +535,50 @@ class ClusterLockSpace:
         if local is not None:
             if local.connected or local.lost or not local.lease:
                 return None
+            # etcd first: if the record cannot be written, nothing changed here.
+            if not await self._write_record(local, connected=True):
+                return None
             self._adopt_local(local, current)
-            await self._write_record(local, connected=True)
             return local
         record_key = self.layout.session_record(session_id)
         _, kvs, _ = await self._etcd(self.client.get(record_key))
         if not kvs:
             return None
         record = kvs[0]
-        node, _, connected = record.value.partition(b" ")
-        if connected == b"1":
-            _, alive, _ = await self._etcd(self.client.get(self.layout.node(node.decode())))
+        node, connected, grace_ms = _parse_record(record.value)
+        if connected:
+            _, alive, _ = await self._etcd(self.client.get(self.layout.node(node)))
             if alive:
                 return None
         session = ClusterSession(session_id, current.peer)
         session.name = current.name
         session.lease = record.lease
+        session.grace = grace_ms / 1000
+        value = self._record_value(session, connected=True)
         claimed = await self._etcd(
             self.client.txn(
                 [compare_mod(record_key, "==", record.mod_revision)],
-                [put_op(record_key, b"%s 1" % self.node_id.encode(), record.lease)],
+                [put_op(record_key, value, record.lease)],
+                [range_op(record_key)],
             )
         )
-        if not claimed.succeeded:
-            return None
-        session.record_revision = claimed.revision
+        if claimed.succeeded:
+            session.record_revision = claimed.revision
+        else:
+            found = claimed.kvs(0)
+            if not (found and found[0].value == value):
+                return None
+            session.record_revision = found[0].mod_revision  # our retried claim
         # Its old node no longer keeps the lease alive: refresh it before anything.
         sent = trio.current_time()
         remaining = await self._etcd(self.client.lease_keepalive(record.lease))
         if remaining == 0:
             return None
         session.expires_at = sent + remaining
-        await self._adopt_entries(session)
-        self.sessions.pop(current.id, None)
-        self._forget_empty(current)
         self.sessions[session_id] = session
+        self._by_lease[session.lease] = session
+        await self._adopt_entries(session)
+        self._forget_empty(current)
         return session
 
     def _adopt_local(self, target: ClusterSession, current: ClusterSession) -> None:
@@ -473,42 +593,45 @@ class ClusterLockSpace:
 
     def _forget_empty(self, session: ClusterSession) -> None:
         session.connected = False
-        self.sessions.pop(session.id, None)
-        if session.lease:
-            self._forget(session)
+        self._forget(session)
 
     async def _adopt_entries(self, session: ClusterSession) -> None:
-        """Rebuild the holds of a session taken over from a dead node: its granted
-        entries become holds (a lease restarts from its ``ttl``); entries still
-        waiting are deleted, since their requests died with the old connection."""
-        names = await self._etcd(self.client.lease_keys(session.lease))
+        """Rebuild the holds of a session taken over from a dead node. A request's
+        entries (one revision; several keys for ``mlock``) become holds when they
+        hold every lock they are in (a ``ttl`` restarts in full); others are left
+        to the stray sweep (:meth:`_sweep`), since their requests died with the old
+        connection."""
+        names = await self._etcd(self.client.lease_keys(session.lease), session)
         if names is None:
             raise BackendUnavailable("session lease gone")
-        now = trio.current_time()
-        stale = []
+        requests: dict[int, list[tuple[bytes, KeyValue]]] = {}
         for etcd_key in names:
             name = self.layout.parse_entry(etcd_key)
             if name is None:
                 continue
             queue_prefix = self.layout.queue_prefix(name.kind, name.key)
-            revision, kvs, _ = await self._etcd(
+            _, kvs, _ = await self._etcd(
                 self.client.get(queue_prefix, prefix_end(queue_prefix), sort_by_create=True)
             )
             position = next((i for i, kv in enumerate(kvs) if kv.key == etcd_key), None)
             if position is None:
                 continue
             mine = kvs[position]
-            ttl = parse_entry_value(mine.value).ttl
             holding = position == 0 if name.kind == EXCLUSIVE else mine in _granted_kvs(kvs)
-            if not holding:
-                stale.append(etcd_key)
-                continue
-            hold = self._record_hold(session, name.kind, name.key, mine.create_revision, now)
-            if ttl is not None:
-                hold.ttl = ttl
-                self._set_lease(hold, now + ttl)
-        if stale:
-            await self._delete_entries(stale)
+            entries = requests.setdefault(mine.create_revision, [])
+            entries.append((name.key if holding else b"", mine))
+        now = trio.current_time()
+        for revision, entries in requests.items():
+            if any(not key for key, _ in entries):
+                continue  # a request that did not hold all its keys: a stray
+            for key, kv in entries:
+                name = self.layout.parse_entry(kv.key)
+                assert name is not None
+                hold = self._record_hold(session, name.kind, key, revision, now)
+                ttl = parse_entry_value(kv.value).ttl
+                if ttl is not None:
+                    hold.ttl = ttl
+                    self._set_lease(hold, now + ttl)
 
     # ------------------------------------------------------------------ holds
 
@@ -547,11 +670,19 @@ class ClusterLockSpace:
         if self.on_hold_end is not None:
             self.on_hold_end(hold.shared, now - hold.granted_at)
 
-    async def _delete_entries(self, entries: list[bytes]) -> None:
-        """Delete our own entries. Their names carry our lease id, which nobody else
-        can create, so no compare is needed: a late delete frees nothing of others."""
-        if entries:
-            await self.client.txn([], [delete_op(e) for e in entries])
+    async def _delete_entries(
+        self, session: ClusterSession, entries: Sequence[tuple[bytes, int]]
+    ) -> None:
+        """Delete entries of this session, each only if it is still the one created
+        at its revision (the session itself may have re-created the key since), and
+        all only while this node still owns the session."""
+        if not entries:
+            return
+        deletes = [
+            _nested_txn([compare_create(key, "==", revision)], [delete_op(key)])
+            for key, revision in entries
+        ]
+        await self._etcd(self.client.txn([self._record_guard(session)], deletes), session)
 
     def _check_hold_room(self, session: Session, new: int) -> None:
         if len(session.exclusive) + len(session.shared) + new > self.max_holds:
@@ -595,26 +726,45 @@ class ClusterLockSpace:
         ):
             raise QueueFull
         lease = await self._ensure_lease(session)
-        value = entry_value(limit, ttl, session.owner)
         entries = [self.layout.entry(kind, k, lease) for k in missing]
+        # From here until the request ends, its entries are not strays, whatever
+        # state the txns leave them in (see _sweep); after it, they are.
+        session.pending.update(entries)
+        try:
+            return await self._request(session, kind, missing, entries, limit, ttl, wait)
+        finally:
+            session.pending.difference_update(entries)
+
+    async def _request(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: list[bytes],
+        entries: list[bytes],
+        limit: int,
+        ttl: float | None,
+        wait: float,
+    ) -> Grant:
+        now = trio.current_time()
+        value = entry_value(limit, ttl, session.owner)
         if kind == EXCLUSIVE and not wait:
-            return await self._try_exclusive(session, missing, entries, value, ttl)
+            return await self._try_exclusive(session, keys, entries, value, ttl)
         revision, holds_now, holders = await self._enqueue(
-            kind, missing, entries, value, lease, limit
+            session, kind, keys, entries, value, limit
         )
         if holds_now and kind == SHARED and limit:
             holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
         if holds_now:
-            grant = self._granted(session, kind, missing, revision, ttl, now, waited=False)
+            grant = self._granted(session, kind, keys, revision, ttl, now, waited=False)
             if holders is not None:
                 # This node's mirror may not have reached the grant yet: the reply
                 # counts the holders etcd had at the grant's own revision.
                 grant.count = holders
             return grant
         if not wait:
-            await self._etcd(self._delete_entries(entries))
-            return Grant(False, await self._holders(missing[0]))
-        return await self._wait(session, kind, missing, entries, revision, limit, ttl, wait)
+            await self._delete_entries(session, [(e, revision) for e in entries])
+            return Grant(False, await self._holders(keys[0]))
+        return await self._wait(session, kind, keys, entries, revision, limit, ttl, wait)
 
     async def _try_exclusive(
         self,
@@ -632,7 +782,8 @@ class ClusterLockSpace:
                 [compare_create(p, "==", 0, prefix_end(p)) for p in prefixes],
                 [put_op(e, value, lease) for e in entries],
                 [range_op(p, prefix_end(p), sort_by_create=True, limit=1) for p in prefixes],
-            )
+            ),
+            session,
         )
         now = trio.current_time()
         if result.succeeded:
@@ -650,11 +801,11 @@ class ClusterLockSpace:
 
     async def _enqueue(
         self,
+        session: ClusterSession,
         kind: bytes,
         keys: list[bytes],
         entries: list[bytes],
         value: bytes,
-        lease: int,
         limit: int,
     ) -> tuple[int, bool, int | None]:
         """Enter every queue in one txn: (its revision, whether the new entries hold
@@ -665,13 +816,14 @@ class ClusterLockSpace:
         result = await self._etcd(
             self.client.txn(
                 [compare_create(e, "==", 0) for e in entries],
-                [put_op(e, value, lease) for e in entries]
+                [put_op(e, value, session.lease) for e in entries]
                 + [
                     range_op(p, prefix_end(p), count_only=not shared, sort_by_create=shared)
                     for p in prefixes
                 ],
                 [range_op(e) for e in entries],
-            )
+            ),
+            session,
         )
         if result.succeeded:
             revision = result.revision
@@ -721,13 +873,12 @@ class ClusterLockSpace:
                 self.on_wait_end(kind == SHARED, now - since)
             if waiter.state != GRANTED:
                 # Timed out, lost, or the peer left: take our entries out of the
-                # queues (also when this task is being cancelled).
-                with trio.move_on_after(self.client_deadline) as scope:
+                # queues (also when this task is being cancelled). If etcd cannot
+                # be reached now, the stray sweep deletes them later.
+                with trio.move_on_after(self.client_deadline + 1) as scope:
                     scope.shield = True
-                    try:
-                        await self._delete_entries(entries)
-                    except (EtcdUnavailable, EtcdError):
-                        self._unavailable("cancel a wait")
+                    with contextlib.suppress(BackendUnavailable):
+                        await self._delete_entries(session, [(e, revision) for e in entries])
         if waiter.state == GRANTED and kind == SHARED:
             with trio.CancelScope(shield=True):  # an unmarked grant would block the queue
                 marked = await self._mark_held(entries[0], revision, limit, ttl, session)
@@ -787,7 +938,9 @@ class ClusterLockSpace:
         return result.succeeded
 
     async def release(self, session: ClusterSession, kind: bytes, key: bytes) -> Grant:
-        """Free this session's hold: (was it held, holders left for shared)."""
+        """Free this session's hold: (was it held, holders left for shared). A hold
+        whose entry is already gone (a retried delete that committed the first
+        time, or a lost session) counts as released: the lock is free of it."""
         table = session.shared if kind == SHARED else session.exclusive
         hold = table.get(key)
         if hold is None:
@@ -795,24 +948,35 @@ class ClusterLockSpace:
         assert isinstance(hold, ClusterHold)
         entry = self._entry_key(hold)
         prefix = self.layout.queue_prefix(kind, key)
+        read_queue = range_op(prefix, prefix_end(prefix), sort_by_create=True)
         result = await self._etcd(
             self.client.txn(
-                [compare_create(entry, "==", hold.revision)],
-                [delete_op(entry), range_op(prefix, prefix_end(prefix), sort_by_create=True)],
-                [range_op(prefix, prefix_end(prefix), sort_by_create=True)],
-            )
+                [self._record_guard(session)],
+                [
+                    _nested_txn([compare_create(entry, "==", hold.revision)], [delete_op(entry)]),
+                    read_queue,
+                ],
+                [read_queue],
+            ),
+            session,
         )
         self._drop(hold, trio.current_time())
-        queue = result.kvs(1 if result.succeeded else 0)
-        return Grant(result.succeeded, _holders_after_handover(queue) if kind == SHARED else 0)
+        if not result.succeeded:
+            # Another node took the session over (its watch event follows); what is
+            # left, if anything, is the stray sweep's.
+            return Grant(False)
+        queue = result.kvs(1)
+        return Grant(True, _holders_after_handover(queue) if kind == SHARED else 0)
 
     async def release_all(self, session: ClusterSession) -> None:
+        """Free every hold; if etcd refuses, the holds are gone here anyway and the
+        stray sweep frees their entries once etcd answers."""
         holds = self._holds(session)
-        entries = [self._entry_key(h) for h in holds]
+        entries = [(self._entry_key(h), h.revision) for h in holds]
         now = trio.current_time()
         for hold in holds:
             self._drop(hold, now)
-        await self._etcd(self._delete_entries(entries))
+        await self._delete_entries(session, entries)
 
     def renew(self, session: Session, key: bytes, ttl: float) -> bool:
         hold = session.exclusive.get(key) or session.shared.get(key)
@@ -902,25 +1066,29 @@ class ClusterLockSpace:
         session = hold.session
         assert isinstance(session, ClusterSession)
         self.expired += 1
-        entry, revision = self._entry_key(hold), hold.revision
+        entries = [(self._entry_key(hold), hold.revision)]
         self._drop(hold, now)
-
-        async def free() -> None:
-            await self.client.txn([compare_create(entry, "==", revision)], [delete_op(entry)])
-
-        self._spawn(free, "expire a lease")
+        self._spawn(lambda: self._delete_entries(session, entries), "expire a lease")
         if not session.connected and session.grace_deadline is None and session.is_empty():
             self._forget(session)
 
     # ---------------------------------------------------------------- helpers
 
-    async def _etcd(self, call: Awaitable[T]) -> T:
-        """Await an etcd call; etcd without quorum becomes BackendUnavailable."""
+    async def _etcd(self, call: Awaitable[T], session: ClusterSession | None = None) -> T:
+        """Await an etcd call: etcd without quorum, or an error reply, becomes
+        BackendUnavailable (the request fails closed; the node stays up). "lease not
+        found" means the session's lease expired before this node noticed."""
         try:
             return await call
         except EtcdUnavailable as error:
             self._unavailable(str(error) or "no quorum")
             raise BackendUnavailable("backend unavailable") from error
+        except EtcdError as error:
+            if session is not None and "lease not found" in error.message:
+                self._lose(session, "etcd no longer knows its lease")
+            else:
+                self._unavailable(f"etcd refused a request: {error.message}")
+            raise BackendUnavailable(error.message) from error
 
 
 def _shared_rule_input(kvs: list[KeyValue]) -> list[tuple[int, int, bool]]:
@@ -953,3 +1121,21 @@ def _holders_after_handover(kvs: list[KeyValue]) -> int:
 
 def _granted_count(kvs: list[KeyValue]) -> int:
     return len(_granted_kvs(kvs))
+
+
+def _nested_txn(compare: list[dict[str, Any]], success: list[dict[str, Any]]) -> dict[str, Any]:
+    """A txn inside a txn's operations (etcd 3.3+): each entry's own guard, so one
+    entry already gone does not stop the others' deletes."""
+    return {"request_txn": {"compare": compare, "success": success}}
+
+
+def _parse_record(value: bytes) -> tuple[str, bool, int]:
+    """(node id, connected, grace ms) of a session record."""
+    parts = value.split(b" ")
+    node = parts[0].decode(errors="replace")
+    connected = len(parts) > 1 and parts[1] == b"1"
+    try:
+        grace_ms = int(parts[2]) if len(parts) > 2 else 0
+    except ValueError:
+        grace_ms = 0
+    return node, connected, grace_ms
