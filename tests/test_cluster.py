@@ -522,6 +522,52 @@ async def test_bad_requests_and_common_replies_match_the_in_memory_server(
         stop_server(process)
 
 
+async def test_a_paused_node_cannot_free_a_session_taken_over_elsewhere(nodes: Nodes) -> None:
+    """Node A freezes while its session holds K; the client resumes the session on
+    B once A's heartbeat is gone. When A thaws, the old connection's end and any
+    timer it had must not free what B's connection now holds (every free carries
+    the session record's revision), and A lets go of the session."""
+    a, b = nodes.start("--session-ttl", "8"), nodes.start("--session-ttl", "8")
+    old = await a.connect()
+    with trio.fail_after(5):
+        assert await old.request(b"lock K") == b"200 Acquired"
+        token = await token_of(old, b"K")
+        session_id = (await old.request(b"conn_id")).split()[1]
+    a.stop()
+    await old.aclose()  # the client gives up on the frozen node
+    heir, other = await b.connect(), await b.connect()
+    with trio.fail_after(7):  # A's heartbeat (4 s) runs out, its session (8 s) not
+        while (reply := await heir.request(b"conn_id " + session_id)) != b"200 conn id set":
+            assert reply == b"403 cannot set conn id"
+            await trio.sleep(0.1)
+    a.cont()
+    with trio.fail_after(5):
+        probe = await a.connect()  # A answers again: it has run its backlog
+        assert await probe.request(b"ping") == b"200 PONG"
+        await trio.sleep(1.5)  # A has seen the old connection end, and run a keepalive
+        assert await other.request(b"g K") == b"0 Cannot Get Lock"
+        assert await token_of(heir, b"K") == token
+        assert await heir.request(b"unlock K") == b"200 Unlocked"
+        assert await other.request(b"g K") == b"1 Got Lock"
+
+
+async def test_sigterm_frees_the_locks_of_connected_clients_at_once(nodes: Nodes) -> None:
+    a, b = nodes.start("--session-ttl", "10"), nodes.start("--session-ttl", "10")
+    holders = [await a.connect() for _ in range(3)]
+    observer = await b.connect()
+    with trio.fail_after(5):
+        for index, holder in enumerate(holders):
+            assert await holder.request(b"lock K%d" % index) == b"200 Acquired"
+    a.process.terminate()
+    start = trio.current_time()
+    with trio.fail_after(3):  # not the 10 s session TTL
+        for index in range(3):
+            while await observer.request(b"g K%d" % index) != b"1 Got Lock":
+                await trio.sleep(0.02)
+    assert trio.current_time() - start < 2
+    assert a.process.wait(timeout=5) == 0
+
+
 # ---------------------------------------------------------------- monitoring
 
 
