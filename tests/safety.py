@@ -5,6 +5,9 @@ property of the whole system (engine + server + disconnect handling + leases) un
 concurrency and crashes. This module drives a real server with many raw-socket
 clients spread over several worker processes, SIGKILLs workers at random, and then
 checks from what the clients *recorded* that the server never broke a promise.
+Given the ports of several nodes of one cluster (``--etcd``), every client session
+connects to one of them at random, so clients of one lock key sit on different
+nodes, and the promises are those of the cluster as a whole.
 
 How the records stay honest (no false alarms, no help from the server):
 
@@ -15,20 +18,23 @@ How the records stay honest (no false alarms, no help from the server):
   intervals overlap, the true ones did too: a real violation.
 * A hold whose client closed or was killed without releasing is recorded as ending
   at the close / at the moment the parent decided to kill (the server frees it only
-  later, when it notices). Leases outlive their connection: they are recorded as
-  ending at ``sent + ttl`` (the server's deadline is ``grant + ttl`` with
-  ``grant >= sent``), or at the last successful ``renew``'s ``sent + ttl``.
+  later, when it notices; a cluster node when it sees the TCP close). Leases
+  outlive their connection: they are recorded as ending at ``sent + ttl`` (the
+  server's deadline is ``grant + ttl`` with ``grant >= sent``), or at the last
+  successful ``renew``'s ``sent + ttl``.
 
 What is checked (:func:`check`): no two exclusive holders of a key overlap; never
 more than ``limit`` shared holders of a key; fencing tokens strictly increase per key
-in grant order and are unique; a plain hold is never lost (its release succeeds); a
+in grant order and are unique (except that the keys of one ``mlock`` may share
+one token, as a cluster's do); a plain hold is never lost (its release succeeds); a
 lease is never freed before its ttl; no client saw a malformed reply or a stall. After
-the run, :func:`final_state_problems` checks that every freed hold was re-grantable:
-the server reports nothing held, waiting or leased, and a fresh client takes every
-key at once.
+the run, :func:`final_state_problems` checks, on every node, that every freed hold
+was re-grantable: the server reports nothing held, waiting or leased, and a fresh
+client takes every key at once.
 
 Run it with ``python -m tests.safety run --seconds 60`` (it starts its own server),
-or through ``tests/test_safety.py`` (``make stress`` sets ``STRESS_SECONDS``).
+or through ``tests/test_safety.py`` (``make stress`` sets ``STRESS_SECONDS``) and,
+against two cluster nodes, ``tests/test_cluster_safety.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,8 +124,11 @@ class Client:
     A lost grant record only makes the check weaker, never wrong.
     """
 
-    def __init__(self, port: int, name: str, seed: int, deadline: float, out: Path) -> None:
-        self.port = port
+    def __init__(
+        self, ports: Sequence[int], name: str, seed: int, deadline: float, out: Path
+    ) -> None:
+        self.ports = list(ports)
+        self.port = self.ports[0]  # the node of the current session
         self.name = name
         self.rng = random.Random(seed)
         self.deadline = deadline
@@ -141,6 +150,8 @@ class Client:
             os.close(self.fd)
 
     def session(self) -> None:
+        # Each session on a node of its own choosing (the only node, in memory).
+        self.port = self.ports[0] if len(self.ports) == 1 else self.rng.choice(self.ports)
         conn = LineSocket(self.port)
         self.session_name = f"{self.name}.{self.sequence}"
         holds: dict[tuple[str, bool], Hold] = {}
@@ -223,6 +234,7 @@ class Client:
             token=token,
             token_at=token_at,
             limit=limit,
+            port=self.port,
         )
 
     def exclusive_granted(
@@ -322,12 +334,14 @@ class Client:
             raise ReplyError(f"renew {hold.key}: {reply!r}")
 
 
-def worker_main(port: int, seed: int, clients: int, deadline: float, out_dir: Path) -> None:
+def worker_main(
+    ports: Sequence[int], seed: int, clients: int, deadline: float, out_dir: Path
+) -> None:
     """One worker process: ``clients`` threads, each a :class:`Client`."""
     threads = []
     for index in range(clients):
         name = f"{os.getpid()}.{index}"
-        client = Client(port, name, seed * 1000 + index, deadline, out_dir / f"{name}.jsonl")
+        client = Client(ports, name, seed * 1000 + index, deadline, out_dir / f"{name}.jsonl")
         threads.append(threading.Thread(target=client.run))
     for thread in threads:
         thread.start()
@@ -362,10 +376,13 @@ class Report:
         )
 
 
-def spawn_worker(port: int, seed: int, clients: int, deadline: float, out_dir: Path) -> Any:
+def spawn_worker(
+    ports: Sequence[int], seed: int, clients: int, deadline: float, out_dir: Path
+) -> Any:
     return subprocess.Popen(
         [
-            sys.executable, "-m", "tests.safety", "worker", "--port", str(port),
+            sys.executable, "-m", "tests.safety", "worker",
+            *itertools.chain.from_iterable(("--port", str(port)) for port in ports),
             "--seed", str(seed), "--clients", str(clients), "--deadline", repr(deadline),
             "--out", str(out_dir),
         ],
@@ -374,7 +391,7 @@ def spawn_worker(port: int, seed: int, clients: int, deadline: float, out_dir: P
 
 
 def run(
-    port: int,
+    ports: int | Sequence[int],
     seconds: float,
     out_dir: Path,
     *,
@@ -383,7 +400,9 @@ def run(
     seed: int = 1,
     kill_every: tuple[float, float] = (0.3, 1.5),
 ) -> Report:
-    """Drive the server at ``port`` for ``seconds``, then check everything."""
+    """Drive the server at ``ports`` (one port, or the nodes of one cluster) for
+    ``seconds``, then check everything."""
+    nodes = [ports] if isinstance(ports, int) else list(ports)
     rng = random.Random(seed)
     start = time.monotonic()
     deadline = start + seconds
@@ -394,7 +413,7 @@ def run(
 
     def start_worker() -> None:
         report.workers_started += 1
-        live.append(spawn_worker(port, rng.randrange(1 << 30), clients, deadline, out_dir))
+        live.append(spawn_worker(nodes, rng.randrange(1 << 30), clients, deadline, out_dir))
 
     for _ in range(processes):
         start_worker()
@@ -425,7 +444,8 @@ def run(
         finished.append(process)
     records = list(load_records(out_dir))
     check(records, kills, report)
-    report.violations.extend(final_state_problems(port))
+    for port in nodes:
+        report.violations.extend(final_state_problems(port))
     return report
 
 
@@ -452,6 +472,7 @@ class Interval:
     end: float
     token: int | None
     limit: int | None
+    grant: str = ""  # the request that granted it: the keys of one mlock share it
 
 
 def intervals(records: list[Record], kills: dict[str, float], report: Report) -> list[Interval]:
@@ -518,7 +539,7 @@ def intervals(records: list[Record], kills: dict[str, float], report: Report) ->
         found.append(
             Interval(
                 hold_id, grant["key"], grant["shared"], grant["t"], end, grant["token"],
-                grant["limit"],
+                grant["limit"], f"{grant['client']}@{grant['sent']!r}",
             )
         )  # fmt: skip
     return found
@@ -530,7 +551,7 @@ def check(records: list[Record], kills: dict[str, float], report: Report) -> Non
     by_key: dict[tuple[str, bool], list[Interval]] = defaultdict(list)
     for hold in holds:
         by_key[(hold.key, hold.shared)].append(hold)
-    seen_tokens: dict[int, str] = {}
+    seen_tokens: dict[int, tuple[str, str]] = {}  # token -> (hold, grant)
     for (key, shared), key_holds in sorted(by_key.items()):
         key_holds.sort(key=lambda h: h.start)
         if shared:
@@ -546,17 +567,18 @@ def check(records: list[Record], kills: dict[str, float], report: Report) -> Non
             if latest is None or hold.end > latest.end:
                 latest = hold
         # Recorded starts lie inside disjoint true holds, so they are in grant order.
-        tokens = [(h.token, h.hold) for h in key_holds if h.token is not None]
-        for (before, first), (after, second) in itertools.pairwise(tokens):
+        tokens = [(h.token, h.hold, h.grant) for h in key_holds if h.token is not None]
+        for (before, first, _), (after, second, _) in itertools.pairwise(tokens):
             if after <= before:
                 report.violations.append(
                     f"token on {key} went from {before} ({first}) to {after} ({second})"
                 )
-        for token, hold_id in tokens:
+        for token, hold_id, grant in tokens:
             if token in seen_tokens:
-                earlier = seen_tokens[token]
-                report.violations.append(f"token {token} given to {earlier} and {hold_id}")
-            seen_tokens[token] = hold_id
+                earlier, earlier_grant = seen_tokens[token]
+                if earlier_grant != grant:  # not two keys of one mlock
+                    report.violations.append(f"token {token} given to {earlier} and {hold_id}")
+            seen_tokens[token] = (hold_id, grant)
 
 
 def check_shared(key: str, key_holds: list[Interval], report: Report) -> None:
@@ -577,11 +599,13 @@ def check_shared(key: str, key_holds: list[Interval], report: Report) -> None:
 
 def final_state_problems(port: int, settle: float = MAX_TTL + 5.0) -> list[str]:
     """Every freed hold is grantable again: once the dead clients are noticed and the
-    leases have run out, the server holds nothing and a fresh client gets every key."""
+    leases have run out, the server holds nothing and a fresh client gets every key.
+    A cluster node reports the cluster's locks and waiters (its own leases and
+    connections): run it on each node in turn."""
     try:
         conn = LineSocket(port)
     except OSError as error:
-        return [f"the server is unreachable after the run: {error}"]
+        return [f"the server at port {port} is unreachable after the run: {error}"]
     try:
         deadline = time.monotonic() + settle
         wanted = {"locks": 0, "shared_locks": 0, "waiting": 0, "leases": 0, "connections": 1}
@@ -595,20 +619,22 @@ def final_state_problems(port: int, settle: float = MAX_TTL + 5.0) -> list[str]:
             if not left:
                 break
             if time.monotonic() > deadline:
-                return [f"{settle:.0f} s after the run the server still reports {left}"]
+                return [
+                    f"{settle:.0f} s after the run the server at port {port} still reports {left}"
+                ]
             time.sleep(0.05)
         problems = []
         reply = conn.request("mlock " + " ".join(EXCLUSIVE_KEYS))
         if reply != "200 Acquired":
-            problems.append(f"a fresh client could not take every key: {reply!r}")
+            problems.append(f"a fresh client of port {port} could not take every key: {reply!r}")
         for key in SHARED_LIMITS:
             reply = conn.request(f"lock_shared {key} limit=1")
             if reply != "200 1":
-                problems.append(f"a fresh client could not take {key} alone: {reply!r}")
+                problems.append(f"a fresh client of port {port} could not take {key}: {reply!r}")
         conn.request("unlock_all")
         return problems
     except (OSError, ReplyError) as error:
-        return [f"the server failed the final check: {error}"]
+        return [f"the server at port {port} failed the final check: {error}"]
     finally:
         conn.close()
 
@@ -635,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.safety", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     worker = commands.add_parser("worker", help="(internal) one worker process")
-    worker.add_argument("--port", type=int, required=True)
+    worker.add_argument("--port", type=int, action="append", required=True)
     worker.add_argument("--seed", type=int, required=True)
     worker.add_argument("--clients", type=int, required=True)
     worker.add_argument("--deadline", type=float, required=True)

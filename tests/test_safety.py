@@ -29,6 +29,16 @@ def test_no_violation_under_random_kills(spawn_server: SpawnServer, tmp_path: Pa
     assert report.max_shared.get("s3", 0) >= 2
 
 
+def test_two_servers_that_share_nothing_are_caught(
+    spawn_server: SpawnServer, tmp_path: Path
+) -> None:
+    # Clients spread over two independent servers: both grant the same keys, as two
+    # cluster nodes that do not share their locks would. The run must say so.
+    (_, first), (_, second) = spawn_server(), spawn_server()
+    report = run([first, second], 3, tmp_path, processes=2, kill_every=(1.0, 2.0))
+    assert any("exclusive overlap" in v or "shared holders" in v for v in report.violations)
+
+
 def grant(
     hold: str, key: str, start: float, *, token: int | None = None, **extra: object
 ) -> Record:
@@ -118,6 +128,20 @@ def test_checker_catches_fencing_tokens_going_back() -> None:
     problems = checked(records)
     assert any("token on x0 went from 5" in v for v in problems)
     assert any("token 5 given to a and b" in v for v in problems)
+
+
+def test_checker_allows_one_token_only_for_the_keys_of_one_mlock() -> None:
+    # A cluster gives every key of one mlock the same token (one etcd revision).
+    mlock = {"via": "mlock", "sent": 0.9}
+    records = [
+        grant("a", "x0", 1.0, token=7, **mlock),
+        grant("b", "x1", 1.0, token=7, **mlock),
+        *release("a", 2.0),
+        *release("b", 2.0),
+    ]
+    assert checked(records) == []
+    records[1]["sent"] = 0.8  # two requests, one token: a real duplicate
+    assert any("token 7 given to a and b" in v for v in checked(records))
 
 
 def test_checker_catches_lost_holds_and_early_lease_ends() -> None:
