@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elockd.config import Config
 from elockd.locks import LockEngine
-from elockd.metrics import make_registry, serve_metrics
+from elockd.metrics import EXTRA_METRICS, make_registry, serve_metrics
 from elockd.protocol import Service
 from elockd.server import make_service, serve
 from elockd.stats import Buckets
@@ -330,6 +330,10 @@ def test_alert_rules_config_and_rule_unit_tests() -> None:
 def test_alerts_and_dashboard_query_only_metrics_elockd_exports(busy_scrape: str) -> None:
     exported = {family.name for family in text_string_to_metric_families(busy_scrape)}
     exported |= {s.name for f in text_string_to_metric_families(busy_scrape) for s in f.samples}
+    # Only a cluster node exports these (tests/test_cluster.py scrapes one).
+    exported |= {
+        name + ("_total" if kind == "counter" else "") for kind, name, _ in EXTRA_METRICS.values()
+    }
     dashboard = json.loads(DASHBOARD.read_text())
     expressions = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     expressions.append((PROMETHEUS_DIR / "elockd-alerts.yml").read_text())
