@@ -7,14 +7,18 @@ One cluster serves the whole module. Tests that kill or pause members take the
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
+import h11
 import pytest
 import trio
 
+from elockd.cluster import etcd_client
 from elockd.cluster.etcd_client import (
     EtcdClient,
     EtcdError,
@@ -161,6 +165,222 @@ async def test_unreachable_endpoints_raise_unavailable_at_the_deadline() -> None
     await client.aclose()
 
 
+# -- the keep-alive transport, against fake members on loopback
+
+# How a fake member answers one request: True keeps the connection for the next one.
+Behaviour = Callable[[trio.SocketStream, h11.Connection, int], Awaitable[bool]]
+REPLY = b'{"header": {"revision": "7"}}'
+
+
+async def answer(stream: trio.SocketStream, http: h11.Connection, body: bytes = REPLY) -> None:
+    headers = [(b"Content-Type", b"application/json"), (b"Content-Length", b"%d" % len(body))]
+    data = http.send(h11.Response(status_code=200, headers=headers))
+    await stream.send_all((data or b"") + (http.send(h11.Data(data=body)) or b""))
+    await stream.send_all(http.send(h11.EndOfMessage()) or b"")
+
+
+async def ok(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+    await answer(stream, http)
+    return True
+
+
+class FakeMember:
+    """An HTTP/1.1 server (h11) that answers each POST as ``behave`` says.
+
+    It counts the connections it accepted, how many were open at once, and requests.
+    """
+
+    def __init__(self, behave: Behaviour = ok) -> None:
+        self.behave = behave
+        self.url = ""
+        self.connections = self.open = self.most_open = self.requests = 0
+
+    async def start(self, nursery: trio.Nursery) -> FakeMember:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, host="127.0.0.1"), self._serve, 0
+        )
+        self.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        return self
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        http = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                event = http.next_event()
+                if event is h11.NEED_DATA:
+                    http.receive_data(await stream.receive_some(65536))
+                elif isinstance(event, h11.EndOfMessage):
+                    self.requests += 1
+                    if not await self.behave(stream, http, self.requests):
+                        return
+                    http.start_next_cycle()
+                elif isinstance(event, h11.ConnectionClosed):
+                    return
+        except (trio.BrokenResourceError, h11.ProtocolError):
+            pass  # the client gave up on this connection
+        finally:
+            self.open -= 1
+            await stream.aclose()
+
+
+async def test_unary_calls_reuse_keep_alive_connections(nursery: trio.Nursery) -> None:
+    async def slow(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        await trio.sleep(0.02)
+        return await ok(stream, http, request)
+
+    member = await FakeMember(slow).start(nursery)
+    client = EtcdClient([member.url], max_concurrent=3)
+    for i in range(10):
+        assert await client.put(b"k", b"%d" % i) == 7
+    assert (member.connections, member.requests, client._transport.opened) == (1, 10, 1)
+
+    async with trio.open_nursery() as calls:
+        for i in range(12):
+            calls.start_soon(client.put, b"k", b"%d" % i)
+    assert member.requests == 22
+    assert member.connections == member.most_open == 3  # capped at max_concurrent
+    for _ in range(10):
+        await client.get(b"k")
+    assert member.connections == 3 and member.requests == 32  # all kept, none new
+    await client.aclose()
+    with trio.fail_after(1):
+        while member.open:  # aclose closed the idle ones
+            await trio.sleep(0.01)
+
+
+async def test_the_connection_cap_covers_every_endpoint(nursery: trio.Nursery) -> None:
+    """Idle connections to the endpoint calls left make room for those to the new one."""
+
+    async def slow(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        await trio.sleep(0.05)
+        return await ok(stream, http, request)
+
+    first = await FakeMember(slow).start(nursery)
+    second = await FakeMember(slow).start(nursery)
+    client = EtcdClient([first.url, second.url], max_concurrent=2)
+
+    async def two_at_once() -> None:
+        async with trio.open_nursery() as calls:
+            calls.start_soon(client.put, b"k", b"1")
+            calls.start_soon(client.put, b"k", b"2")
+
+    await two_at_once()
+    assert first.most_open == 2 and client._transport._open == 2
+    client._current = 1  # as after a failover
+    await two_at_once()
+    assert second.most_open == 2 and client._transport._open == 2
+    with trio.fail_after(1):
+        while first.open:  # closed to make room
+            await trio.sleep(0.01)
+    await client.aclose()
+
+
+async def test_an_idle_connection_the_member_closed_is_not_used(nursery: trio.Nursery) -> None:
+    """A keep-alive connection closed while idle is replaced, without a failover."""
+
+    async def once(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        await answer(stream, http)
+        return False  # close after the reply, without "Connection: close"
+
+    member = await FakeMember(once).start(nursery)
+    other = await FakeMember().start(nursery)
+    client = EtcdClient([member.url, other.url])
+    for _ in range(5):
+        await client.put(b"k", b"v")
+        await trio.sleep(0.02)  # the FIN arrives while the connection is idle
+    assert client.endpoint == member.url and other.requests == 0
+    assert member.connections == member.requests == 5
+    await client.aclose()
+
+
+async def test_a_connection_dropped_mid_reply_is_discarded_and_the_call_fails_over(
+    nursery: trio.Nursery,
+) -> None:
+    async def drop_second(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        if request != 2:
+            return await ok(stream, http, request)
+        headers = [(b"Content-Length", b"%d" % len(REPLY))]
+        await stream.send_all(http.send(h11.Response(status_code=200, headers=headers)) or b"")
+        await stream.send_all(REPLY[:5])
+        return False  # and close, half-way through the body
+
+    flaky = await FakeMember(drop_second).start(nursery)
+    good = await FakeMember().start(nursery)
+    client = EtcdClient([flaky.url, good.url])
+    await client.put(b"k", b"1")  # through flaky: its connection is now idle in the pool
+    assert client.endpoint == flaky.url and client._transport._open == 1
+    assert await client.put(b"k", b"2") == 7  # flaky breaks off; good answers
+    assert client.endpoint == good.url and (flaky.requests, good.requests) == (2, 1)
+    assert client._transport._idle[flaky.url] == []  # discarded, not pooled
+    assert client._transport._open == 1  # only the one to good
+    await client.aclose()
+
+    # One endpoint: the retry goes to the same member, over a new connection.
+    flaky = await FakeMember(drop_second).start(nursery)
+    client = EtcdClient([flaky.url])
+    await client.put(b"k", b"1")
+    assert await client.put(b"k", b"2") == 7
+    assert flaky.connections == 2 and flaky.requests == 3 and client._transport._open == 1
+    await client.aclose()
+
+
+async def test_a_member_hanging_mid_reply_loses_the_connection(nursery: trio.Nursery) -> None:
+    async def hang(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        headers = [(b"Content-Length", b"%d" % len(REPLY))]
+        await stream.send_all(http.send(h11.Response(status_code=200, headers=headers)) or b"")
+        await stream.send_all(REPLY[:5])
+        assert await stream.receive_some() == b""  # until the client closes the connection
+        return False
+
+    hung = await FakeMember(hang).start(nursery)
+    good = await FakeMember().start(nursery)
+    client = EtcdClient([hung.url, good.url], attempt_timeout=0.3)
+    start = trio.current_time()
+    assert await client.put(b"k", b"v") == 7
+    assert 0.3 <= trio.current_time() - start < 1.0
+    assert client.endpoint == good.url
+    assert client._transport._idle.get(hung.url, []) == [] and client._transport._open == 1
+    with trio.fail_after(1):
+        while hung.open:  # the cancelled attempt closed its socket
+            await trio.sleep(0.01)
+    await client.aclose()
+
+
+async def test_an_oversized_reply_is_refused(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def declared(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        size = b"%d" % (64 * 1024 * 1024 + 1)
+        await stream.send_all(
+            http.send(h11.Response(status_code=200, headers=[(b"Content-Length", size)])) or b""
+        )
+        await trio.sleep(math.inf)  # refused on the headers alone: no need to send it
+        return False
+
+    async def endless(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        headers = [(b"Transfer-Encoding", b"chunked")]  # no length said up front
+        await stream.send_all(http.send(h11.Response(status_code=200, headers=headers)) or b"")
+        while True:
+            await stream.send_all(http.send(h11.Data(data=b" " * 512)) or b"")
+            await trio.sleep(0.001)
+
+    good = await FakeMember().start(nursery)
+    big = await FakeMember(declared).start(nursery)
+    monkeypatch.setattr(etcd_client, "_MAX_RESPONSE", 4096)  # for the endless one
+    endless_member = await FakeMember(endless).start(nursery)
+    for bad in (big, endless_member):
+        client = EtcdClient([bad.url, good.url], attempt_timeout=5)
+        start = trio.current_time()
+        assert await client.put(b"k", b"v") == 7
+        assert trio.current_time() - start < 1.0  # refused at once, not at attempt_timeout
+        assert client.endpoint == good.url and bad.requests == 1
+        assert client._transport._open == 1  # the refused connection was closed
+        await client.aclose()
+
+
 # -- against the cluster
 
 
@@ -185,6 +405,14 @@ async def test_put_get_delete_round_trip(client: EtcdClient, prefix: bytes) -> N
     assert await client.delete(keys[0]) == 0
     assert await client.delete(prefix, end) == 3
     assert (await client.get(prefix, end))[1:] == ([], 0)  # gateway omits "count": 0
+
+
+async def test_calls_share_one_keep_alive_connection(client: EtcdClient, prefix: bytes) -> None:
+    for i in range(5):
+        await client.put(prefix + b"k", b"%d" % i)
+        await client.get(prefix + b"k")
+    await client.lease_revoke((await client.lease_grant(5))[0])
+    assert client._transport.opened == 1
 
 
 async def test_txn_success_and_failure(client: EtcdClient, prefix: bytes) -> None:

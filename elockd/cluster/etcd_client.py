@@ -1,7 +1,10 @@
 """A small trio-native client for etcd's v3 JSON gateway (``/v3/...`` over HTTP/1.1).
 
 Why the gateway and not gRPC: the gRPC libraries are asyncio-bound or blocking, while
-httpx runs on trio through anyio, so trio cancellation and timeouts work everywhere.
+plain HTTP/1.1 runs on trio sockets, so trio cancellation and timeouts work everywhere.
+Unary calls go over a small pool of keep-alive connections framed by h11 (``_Transport``):
+httpx's pool cost a node 1.5-2 ms of CPU per request (docs/performance.md). The one
+long-lived watch stream per node still uses httpx, where that cost does not matter.
 The gateway has quirks this module hides: keys and values travel as base64, int64
 values come as JSON strings (lease IDs exceed 2**53, so nothing may pass through a
 float), and fields holding their proto default (``succeeded``, ``type`` of a PUT
@@ -14,11 +17,15 @@ import base64
 import contextlib
 import json
 import math
+import select
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit
 
+import h11
 import httpx
 import trio
 
@@ -36,6 +43,8 @@ _RETRY_MARKERS = (
 )
 _WATCH_BACKOFF = 0.1  # between watch reconnects, so a dead cluster is not hammered
 _ROUND_BACKOFF = 0.05  # after every endpoint refused a call in a row
+_MAX_RESPONSE = 64 * 1024 * 1024  # a bigger reply body is refused: a broken peer, not etcd
+_READ_SIZE = 65536
 
 
 class EtcdUnavailable(Exception):
@@ -183,39 +192,223 @@ def _revision(reply: dict[str, Any]) -> int:
     return int(reply.get("header", {}).get("revision", 0))
 
 
-def _decode(endpoint: str, response: httpx.Response) -> dict[str, Any]:
+def _decode(endpoint: str, status: int, content: bytes) -> dict[str, Any]:
     """A reply body, or EtcdError / _Retry for an error reply (decided by code and text)."""
     try:
-        body = json.loads(response.content)
+        body = json.loads(content)
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        if response.status_code >= 500:
-            raise _Retry(f"{endpoint}: HTTP {response.status_code}")
-        raise EtcdError(response.status_code, response.text.strip())
+        if status >= 500:
+            raise _Retry(f"{endpoint}: HTTP {status}")
+        raise EtcdError(status, content.decode("utf-8", "replace").strip())
     error = body.get("error")
-    if response.status_code == 200 and not error:
+    if status == 200 and not error:
         return body
     if isinstance(error, dict):  # an error inside a stream: {"error": {"grpc_code": ..}}
         code, message = int(error.get("grpc_code", 2)), str(error.get("message", ""))
     else:
         code, message = int(body.get("code", 2)), str(body.get("message") or error or "")
-    if (
-        response.status_code >= 500
-        or code in _RETRY_CODES
-        or any(marker in message for marker in _RETRY_MARKERS)
-    ):
+    if status >= 500 or code in _RETRY_CODES or any(marker in message for marker in _RETRY_MARKERS):
         raise _Retry(f"{endpoint}: {message} (code {code})")
     raise EtcdError(code, message)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Where an endpoint URL points: what to connect to and what to put in the request."""
+
+    host: str
+    port: int
+    tls: bool
+    authority: bytes  # the Host header
+    base: str  # a path prefix of the endpoint URL, usually ""
+
+    @classmethod
+    def parse(cls, endpoint: str) -> _Target:
+        url = urlsplit(endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"not an http(s) URL: {endpoint!r}")
+        tls = url.scheme == "https"
+        port = url.port or (443 if tls else 80)  # .port raises ValueError for a bad one
+        authority = url.netloc.rpartition("@")[2].encode("idna")
+        return cls(url.hostname, port, tls, authority, url.path.rstrip("/"))
+
+
+# What a broken connection raises (OSError includes ssl.SSLError and connection resets).
+_TRANSPORT_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
+
+
+def _has_input(sock: trio.socket.SocketType) -> bool:
+    """Whether an idle connection has something to read: the member closed it, or sent
+    bytes nobody asked for. Either way it is no longer fit for a request."""
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection; h11 does all the framing."""
+
+    __slots__ = ("endpoint", "http", "socket", "stream")
+
+    def __init__(self, endpoint: str, stream: trio.abc.Stream, sock: trio.socket.SocketType):
+        self.endpoint = endpoint
+        self.stream = stream
+        self.socket = sock  # the TCP socket under ``stream``, for _has_input and close
+        self.http = h11.Connection(h11.CLIENT)
+
+    def close(self) -> None:
+        # Synchronous, so a cancelled or failing task can do it without a checkpoint.
+        self.socket.close()
+
+    def reusable(self) -> bool:
+        """After a complete exchange: whether both sides allow another request."""
+        return self.http.our_state is h11.DONE and self.http.their_state is h11.DONE
+
+    async def exchange(self, target: bytes, authority: bytes, payload: bytes) -> tuple[int, bytes]:
+        """POST ``payload``; the reply's status and body. Raises h11, trio or OS errors."""
+        http = self.http
+        headers = [
+            (b"Host", authority),
+            (b"Content-Type", b"application/json"),
+            (b"Content-Length", b"%d" % len(payload)),
+        ]
+        request = http.send(h11.Request(method=b"POST", target=target, headers=headers))
+        body = http.send(h11.Data(data=payload))
+        end = http.send(h11.EndOfMessage())
+        await self.stream.send_all(b"".join(part for part in (request, body, end) if part))
+        status = 0
+        content = bytearray()
+        while True:
+            event = http.next_event()
+            if event is h11.NEED_DATA:
+                # bytes() of bytes is the same object; b"" tells h11 about EOF
+                http.receive_data(bytes(await self.stream.receive_some(_READ_SIZE)))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                for name, value in event.headers:
+                    if name == b"content-length" and int(value) > _MAX_RESPONSE:
+                        raise _Retry(f"{self.endpoint}: reply of {int(value)} bytes refused")
+            elif isinstance(event, h11.Data):
+                content += event.data
+                if len(content) > _MAX_RESPONSE:
+                    raise _Retry(f"{self.endpoint}: reply over {_MAX_RESPONSE} bytes refused")
+            elif isinstance(event, h11.EndOfMessage):
+                return status, bytes(content)
+            elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+                raise _Retry(f"{self.endpoint}: connection closed before the reply ended")
+            # else an h11.InformationalResponse (1xx): the real one follows
+
+
+class _Transport:
+    """Keep-alive HTTP/1.1 connections for unary calls, pooled per endpoint.
+
+    A request takes an idle connection to its endpoint (the most recently used one)
+    or opens a new one, and gives it back only after a complete exchange that both
+    sides agree to continue (``start_next_cycle``). Any error, timeout or
+    cancellation mid-request closes the connection instead: its state is unknown.
+    At most ``limit`` connections are open, idle ones included. The caller's limiter
+    bounds the requests in flight by the same number, so a request that finds the
+    pool full always finds an idle connection to another endpoint to close.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._targets: dict[str, _Target] = {}
+        self._idle: dict[str, list[_Connection]] = {}
+        self._open = 0  # idle, in use and being opened
+        self._closed = False
+        self._ssl: ssl.SSLContext | None = None
+        self.opened = 0  # connections ever opened (tests look at it)
+
+    async def post(self, endpoint: str, path: str, payload: bytes) -> tuple[int, bytes]:
+        """POST ``payload`` to ``{endpoint}/v3/{path}``; _Retry on any transport failure."""
+        target = self._targets.get(endpoint)
+        if target is None:
+            try:
+                target = self._targets[endpoint] = _Target.parse(endpoint)
+            except ValueError as exc:
+                raise _Retry(f"{endpoint}: {exc}") from exc
+        connection = self._take_idle(endpoint)
+        if connection is None:
+            connection = await self._connect(endpoint, target)
+        done = False
+        try:
+            reply = await connection.exchange(
+                f"{target.base}/v3/{path}".encode(), target.authority, payload
+            )
+            done = True
+        except _TRANSPORT_ERRORS as exc:
+            raise _Retry(f"{endpoint}: {exc!r}") from exc
+        finally:
+            if done and connection.reusable() and not self._closed:
+                connection.http.start_next_cycle()
+                self._idle.setdefault(endpoint, []).append(connection)
+            else:
+                self._discard(connection)
+        return reply
+
+    def _take_idle(self, endpoint: str) -> _Connection | None:
+        idle = self._idle.get(endpoint)
+        while idle:
+            connection = idle.pop()
+            if not _has_input(connection.socket):
+                return connection
+            self._discard(connection)  # closed by the member while idle
+        return None
+
+    async def _connect(self, endpoint: str, target: _Target) -> _Connection:
+        if self._open >= self._limit:  # make room: idle connections to other endpoints
+            for idle in self._idle.values():
+                if idle:
+                    self._discard(idle.pop(0))
+                    break
+        self._open += 1
+        connected = False
+        try:
+            if target.tls:
+                if self._ssl is None:
+                    self._ssl = ssl.create_default_context()
+                tls = await trio.open_ssl_over_tcp_stream(
+                    target.host, target.port, ssl_context=self._ssl, https_compatible=True
+                )
+                connection = _Connection(endpoint, tls, tls.transport_stream.socket)
+            else:
+                plain = await trio.open_tcp_stream(target.host, target.port)
+                connection = _Connection(endpoint, plain, plain.socket)
+            connected = True
+        except OSError as exc:
+            raise _Retry(f"{endpoint}: {exc!r}") from exc
+        finally:
+            if not connected:
+                self._open -= 1
+        self.opened += 1
+        return connection
+
+    def _discard(self, connection: _Connection) -> None:
+        self._open -= 1
+        connection.close()
+
+    def close(self) -> None:
+        """Close the idle connections; one in use is closed when its request ends."""
+        self._closed = True
+        for idle in self._idle.values():
+            while idle:
+                self._discard(idle.pop())
 
 
 class EtcdClient:
     """Calls to a set of etcd members with failover; safe to share between tasks.
 
     Calls stick to one endpoint while it answers, and move to the next one when it
-    does not. A trio.CapacityLimiter bounds the calls in flight, because httpx's
-    shared pool loses throughput as concurrency grows. Watches are not counted there:
-    each holds one pooled connection for its whole life, hence the four spare ones.
+    does not. A trio.CapacityLimiter bounds the calls in flight, and with them the
+    keep-alive connections of unary calls (at most ``max_concurrent``, see
+    _Transport). Watches are not counted there: each holds an httpx streaming
+    connection of its own for its whole life.
     """
 
     def __init__(
@@ -233,10 +426,11 @@ class EtcdClient:
         self.deadline = deadline
         self._current = 0
         self._limiter = trio.CapacityLimiter(max_concurrent)
-        pool = max_concurrent + 4
+        self._transport = _Transport(max_concurrent)
+        # Only for watches: a stream holds its connection for life, none is worth keeping.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(attempt_timeout),
-            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
             trust_env=False,  # endpoints are explicit; never route them through a proxy
         )
 
@@ -246,13 +440,15 @@ class EtcdClient:
         return self.endpoints[self._current]
 
     async def aclose(self) -> None:
+        self._transport.close()
         await self._http.aclose()
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``/v3/{path}``, failing over between endpoints until ``deadline``.
 
         An attempt fails on a connection error, an HTTP 5xx, an error reply meaning
-        "not now" (no leader, timed out, leader changed, ...) or ``attempt_timeout``;
+        "not now" (no leader, timed out, leader changed, ...), a reply body over 64 MiB
+        or ``attempt_timeout`` (connect, send and the whole reply);
         the call then moves to the next endpoint and tries again, and raises
         EtcdUnavailable once ``deadline`` seconds have passed in all (waiting for the
         limiter included). Any other error reply raises EtcdError at once.
@@ -284,13 +480,8 @@ class EtcdClient:
         raise EtcdUnavailable(f"etcd gave no answer to {path} within {self.deadline}s ({last})")
 
     async def _post(self, endpoint: str, path: str, payload: bytes) -> dict[str, Any]:
-        try:
-            response = await self._http.post(
-                f"{endpoint}/v3/{path}", content=payload, headers=_HEADERS
-            )
-        except httpx.HTTPError as exc:
-            raise _Retry(f"{endpoint}: {exc!r}") from exc
-        return _decode(endpoint, response)
+        status, content = await self._transport.post(endpoint, path, payload)
+        return _decode(endpoint, status, content)
 
     async def txn(
         self,
