@@ -81,8 +81,8 @@ def parse_number(token: bytes, what: str) -> float:
     return float(token)
 
 
-_TTL = frozenset({b"ttl"})
-_NONE: frozenset[bytes] = frozenset()
+TTL_OPTION = frozenset({b"ttl"})
+NO_OPTIONS: frozenset[bytes] = frozenset()
 
 
 def _wait_reply(
@@ -92,7 +92,7 @@ def _wait_reply(
 
 
 def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _TTL, 2)
+    args = Args(rest, TTL_OPTION, 2)
     key = args.key()
     wait = args.seconds(1, "WAIT")
     ttl = args.option_seconds(b"ttl")
@@ -108,18 +108,18 @@ def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_unlock(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, _NONE, 1).key()
+    key = Args(rest, NO_OPTIONS, 1).key()
     return UNLOCKED if conn.engine.release(conn.session, key, now) else NOT_LOCKED
 
 
 def cmd_unlock_all(conn: Connection, rest: bytes, now: float) -> Reply:
-    Args(rest, _NONE, 0)
+    Args(rest, NO_OPTIONS, 0)
     conn.engine.release_all(conn.session, now)
     return b"200 OK\r\n"
 
 
 def cmd_conn_id(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _NONE, 1)
+    args = Args(rest, NO_OPTIONS, 1)
     if not args.positional:
         return b"200 %s\r\n" % conn.session.id.encode()
     wanted = args.positional[0].decode("ascii", errors="replace")
@@ -131,7 +131,7 @@ def cmd_conn_id(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_set_timeout(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _NONE, 1)
+    args = Args(rest, NO_OPTIONS, 1)
     milliseconds = args.seconds(0, "MS")
     if milliseconds is None:
         raise BadRequest("missing MS")
@@ -148,7 +148,7 @@ def cmd_quit(conn: Connection, rest: bytes, now: float) -> Reply:
     return b"200 Bye\r\n"
 
 
-def _limit(args: Args) -> int | None:
+def parse_limit(args: Args) -> int | None:
     value = args.options.get(b"limit")
     if value is None:
         return None
@@ -160,14 +160,14 @@ def _limit(args: Args) -> int | None:
     return int(digits) if len(digits) <= 18 else 10**18
 
 
-_SHARED_OPTIONS = frozenset({b"limit", b"ttl"})
+SHARED_OPTIONS = frozenset({b"limit", b"ttl"})
 
 
 def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _SHARED_OPTIONS, 2)
+    args = Args(rest, SHARED_OPTIONS, 2)
     key = args.key()
     wait = args.seconds(1, "WAIT")
-    limit = _limit(args)
+    limit = parse_limit(args)
     ttl = args.option_seconds(b"ttl")
     engine = conn.engine
     if not wait or limit is None:
@@ -190,16 +190,16 @@ def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_unlock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, _NONE, 1).key()
+    key = Args(rest, NO_OPTIONS, 1).key()
     count = conn.engine.release_shared(conn.session, key, now)
     return NOT_LOCKED if count is None else b"200 %d\r\n" % count
 
 
-_MLOCK_OPTIONS = frozenset({b"wait", b"ttl"})
+MLOCK_OPTIONS = frozenset({b"wait", b"ttl"})
 
 
 def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _MLOCK_OPTIONS, 1 << 30)
+    args = Args(rest, MLOCK_OPTIONS, 1 << 30)
     keys = args.positional
     if not keys:
         raise BadRequest("missing key")
@@ -215,18 +215,18 @@ def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
     if result is None:
         return ACQUIRED
     if isinstance(result, list):
-        return _unavailable_keys(result)
+        return unavailable_keys(result)
     if result.granted:
         return ACQUIRED
-    return Pending(conn, result, wait, lambda: ACQUIRED, _unavailable_keys)
+    return Pending(conn, result, wait, lambda: ACQUIRED, unavailable_keys)
 
 
-def _unavailable_keys(keys: list[bytes]) -> bytes:
+def unavailable_keys(keys: list[bytes]) -> bytes:
     return b"409 Unavailable %s\r\n" % b" ".join(keys)
 
 
 def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _TTL, 1)
+    args = Args(rest, TTL_OPTION, 1)
     key = args.key()
     ttl = args.option_seconds(b"ttl")
     if ttl is None:
@@ -235,13 +235,13 @@ def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_token(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, _NONE, 1).key()
+    key = Args(rest, NO_OPTIONS, 1).key()
     hold = conn.session.exclusive.get(key)
     return NOT_LOCKED if hold is None else b"200 %d\r\n" % hold.token
 
 
 def cmd_info(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, _NONE, 1).key()
+    key = Args(rest, NO_OPTIONS, 1).key()
     engine = conn.engine
     hold = engine.exclusive.get(key)
     owner, ttl, token = b"-", b"-", b"-"

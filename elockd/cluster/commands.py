@@ -22,20 +22,20 @@ from elockd.locks import QueueFull
 from elockd.protocol import BadRequest, Deferred
 from elockd.terse import render_pairs, terse_key
 from elockd.word import (
-    _MLOCK_OPTIONS,
-    _NONE,
-    _SHARED_OPTIONS,
-    _TTL,
     ACQUIRED,
+    MLOCK_OPTIONS,
+    NO_OPTIONS,
     NOT_LOCKED,
+    SHARED_OPTIONS,
     TOO_MANY_KEYS,
     TOO_MANY_WAITERS,
+    TTL_OPTION,
     UNAVAILABLE,
     UNLOCKED,
     Args,
-    _limit,
-    _unavailable_keys,
+    parse_limit,
     parse_number,
+    unavailable_keys,
 )
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ def cmd_dump(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _TTL, 2)
+    args = Args(rest, TTL_OPTION, 2)
     key = args.key()
     wait = args.seconds(1, "WAIT") or 0.0
     ttl = args.option_seconds(b"ttl")
@@ -178,7 +178,7 @@ def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_unlock(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, _NONE, 1).key()
+    key = Args(rest, NO_OPTIONS, 1).key()
 
     async def run() -> bytes:
         freed = await _space(conn).release(_session(conn), EXCLUSIVE, key)
@@ -188,7 +188,7 @@ def cmd_unlock(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_unlock_all(conn: Connection, rest: bytes, now: float) -> Reply:
-    Args(rest, _NONE, 0)
+    Args(rest, NO_OPTIONS, 0)
 
     async def run() -> bytes:
         await _space(conn).release_all(_session(conn))
@@ -198,7 +198,7 @@ def cmd_unlock_all(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_conn_id(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _NONE, 1)
+    args = Args(rest, NO_OPTIONS, 1)
     if not args.positional:
         return b"200 %s\r\n" % conn.session.id.encode()
     wanted = args.positional[0].decode("ascii", errors="replace")
@@ -215,10 +215,10 @@ def cmd_conn_id(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _SHARED_OPTIONS, 2)
+    args = Args(rest, SHARED_OPTIONS, 2)
     key = args.key()
     wait = args.seconds(1, "WAIT") or 0.0
-    limit = _limit(args)
+    limit = parse_limit(args)
     ttl = args.option_seconds(b"ttl")
     if limit is None:
         wait = 0.0  # without a limit it never waits
@@ -233,7 +233,7 @@ def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_unlock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, _NONE, 1).key()
+    key = Args(rest, NO_OPTIONS, 1).key()
 
     async def run() -> bytes:
         freed = await _space(conn).release(_session(conn), SHARED, key)
@@ -243,7 +243,7 @@ def cmd_unlock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _MLOCK_OPTIONS, 1 << 30)
+    args = Args(rest, MLOCK_OPTIONS, 1 << 30)
     keys = list(dict.fromkeys(args.positional))
     if not keys:
         raise BadRequest("missing key")
@@ -257,13 +257,13 @@ def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
         grant = await _space(conn).acquire(
             _session(conn), EXCLUSIVE, keys, limit=1, ttl=ttl, wait=wait
         )
-        return ACQUIRED if grant.granted else _unavailable_keys(grant.blocked)
+        return ACQUIRED if grant.granted else unavailable_keys(grant.blocked)
 
     return _word(run, waits=wait > 0)
 
 
 def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, _TTL, 1)
+    args = Args(rest, TTL_OPTION, 1)
     key = args.key()
     ttl = args.option_seconds(b"ttl")
     if ttl is None:
@@ -273,13 +273,13 @@ def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_token(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, _NONE, 1).key()
+    key = Args(rest, NO_OPTIONS, 1).key()
     hold = conn.session.exclusive.get(key)
     return NOT_LOCKED if hold is None else b"200 %d\r\n" % hold.token
 
 
 def cmd_info(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, _NONE, 1).key()
+    key = Args(rest, NO_OPTIONS, 1).key()
 
     async def run() -> bytes:
         space = _space(conn)
