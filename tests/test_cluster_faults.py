@@ -403,9 +403,9 @@ async def test_without_quorum_requests_fail_closed_and_recover(nodes: Nodes) -> 
 
 async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
     """#13b: frees that fail for want of quorum must happen once etcd is back: an
-    ``unlock_all`` refused with Backend Unavailable (and retried by its client), a
-    ``ttl=`` lease that ran out during the outage, and the queue entry of a wait
-    that timed out during it.
+    ``unlock_all`` refused with Backend Unavailable (and retried by its client), an
+    ``unlock`` refused so (and not retried), a ``ttl=`` lease that ran out during
+    the outage, and the queue entry of a wait that timed out during it.
 
     All three happen once the member left running knows it has no leader, so etcd
     drops them for sure: only elockd can still free those locks.
@@ -416,8 +416,9 @@ async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
     node = nodes.start(*LONG_SESSIONS, "--etcd-timeout", "1.5", endpoints=first(etcd, survivor))
     other = nodes.start(*LONG_SESSIONS)
     with trio.fail_after(10):
-        unlocker, leaser, waiter = [await node.connect() for _ in range(3)]
+        unlocker, leaser, waiter, single = [await node.connect() for _ in range(4)]
         checker = await other.connect()
+        assert await single.request(b"lock S1") == b"200 Acquired"
         assert await unlocker.request(b"lock U1") == b"200 Acquired"
         assert await unlocker.request(b"lock U2") == b"200 Acquired"
         assert await leaser.request(b"lock T ttl=30") == b"200 Acquired"
@@ -434,6 +435,8 @@ async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
         with trio.fail_after(1.5 + 1):
             assert await leaser.request(b"renew T ttl=0.2") == b"200 Renewed"  # node-local
             assert await unlocker.request(b"unlock_all") == b"409 Backend Unavailable"
+        with trio.fail_after(1.5 + 1):
+            assert await single.request(b"unlock S1") == b"409 Backend Unavailable"
         with trio.fail_after(4 + 1.5 + 1):
             assert await waiter.line() == b"409 Unavailable\r\n"
         await trio.sleep(max(0.0, stopped + 6.5 - trio.current_time()))  # T's free gave up
@@ -447,7 +450,8 @@ async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
             await trio.sleep(0.2)
         assert await unlocker.request(b"unlock_all") == b"200 OK"  # the client retries
         assert await leaser.request(b"token T") == b"403 Not Locked"  # its lease ran out
-    held = await still_held(checker, [b"U1", b"U2", b"T"], seconds=5)
+        assert await single.request(b"token S1") == b"403 Not Locked"  # let go here
+    held = await still_held(checker, [b"U1", b"U2", b"T", b"S1"], seconds=5)
     assert held == {}, f"freed while etcd had no quorum, yet still held: {held}"
 
 

@@ -949,6 +949,9 @@ class ClusterLockSpace:
         entry = self._entry_key(hold)
         prefix = self.layout.queue_prefix(kind, key)
         read_queue = range_op(prefix, prefix_end(prefix), sort_by_create=True)
+        # Let go here first: if etcd does not answer, the stray sweep frees the entry
+        # once it does (the client was asked to release, not to keep holding).
+        self._drop(hold, trio.current_time())
         result = await self._etcd(
             self.client.txn(
                 [self._record_guard(session)],
@@ -960,7 +963,6 @@ class ClusterLockSpace:
             ),
             session,
         )
-        self._drop(hold, trio.current_time())
         if not result.succeeded:
             # Another node took the session over (its watch event follows); what is
             # left, if anything, is the stray sweep's.
