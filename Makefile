@@ -33,10 +33,12 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 # The safety checker (tests/safety.py) for longer than `make test` runs it:
-# many clients in several processes, random SIGKILLs, every grant checked.
+# many clients in several processes, random SIGKILLs, every grant checked; against
+# one in-memory server, then against two cluster nodes over a 3-member etcd.
 STRESS_SECONDS ?= 60
 stress: $(VENV)/.installed-test
 	STRESS_SECONDS=$(STRESS_SECONDS) $(BIN)/python -m pytest -q -s tests/test_safety.py
+	CLUSTER_STRESS_SECONDS=$(STRESS_SECONDS) $(BIN)/python -m pytest -q -s tests/test_cluster_safety.py
 
 # Benchmarks, not tests: elockd beside redis-server (when installed), pinned with
 # taskset, ratios printed per row. BENCH_ARGS passes options (see bench/run.py
