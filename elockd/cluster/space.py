@@ -62,6 +62,8 @@ T = TypeVar("T")
 
 #: Seconds a node waits for etcd to release its sessions when it shuts down.
 SHUTDOWN_GRACE = 2.0
+#: Guarded deletes per txn: etcd's default --max-txn-ops is 128.
+DELETES_PER_TXN = 64
 
 
 class ClusterHold(Hold):
@@ -80,7 +82,15 @@ class ClusterHold(Hold):
 class ClusterSession(Session):
     """A session of this node, with the etcd lease its entries are bound to."""
 
-    __slots__ = ("abort", "expires_at", "lease", "lost", "pending", "record_revision")
+    __slots__ = (
+        "abort",
+        "expires_at",
+        "lease",
+        "lost",
+        "pending",
+        "record_lock",
+        "record_revision",
+    )
 
     def __init__(self, session_id: str, peer: bytes) -> None:
         super().__init__(session_id, peer)
@@ -89,6 +99,7 @@ class ClusterSession(Session):
         self.pending: set[bytes] = set()
         self.expires_at = math.inf  # by this node's clock: when etcd may drop the lease
         self.record_revision = 0  # mod revision of our last write of its record
+        self.record_lock = trio.Lock()
         self.lost = False
         self.abort: Callable[[], None] | None = None  # ends its connection
 
@@ -141,6 +152,7 @@ class ClusterLockSpace:
         self._nursery: trio.Nursery | None = None
         self._node_lease = 0
         self._by_lease: dict[int, ClusterSession] = {}
+        self._taking: set[str] = set()  # session ids a conn_id is taking over now
         self._revoking: set[int] = set()  # leases of ended sessions not revoked yet
         self.on_new_deadline: Callable[[], None] | None = None
         self.on_hold_end: Callable[[bool, float], None] | None = None
@@ -197,12 +209,22 @@ class ClusterLockSpace:
             self._nursery = None
             with trio.move_on_after(SHUTDOWN_GRACE) as cleanup:
                 cleanup.shield = True
-                leases = {s.lease for s in self.sessions.values() if s.lease and not s.lost}
-                leases |= self._revoking
-                leases.add(self._node_lease)
-                async with trio.open_nursery() as revokes:
-                    for lease in leases:
-                        revokes.start_soon(self._revoke_quietly, lease)
+                async with trio.open_nursery() as ends:
+                    for session in self.sessions.values():
+                        if session.lease and not session.lost:
+                            ends.start_soon(self._end_at_shutdown, session)
+                    for lease in [*self._revoking, self._node_lease]:
+                        ends.start_soon(self._revoke_quietly, lease)
+
+    async def _end_at_shutdown(self, session: ClusterSession) -> None:
+        """Revoke a session's lease, unless another node has just claimed it."""
+        record_key = self.layout.session_record(session.id)
+        with contextlib.suppress(EtcdUnavailable, EtcdError):
+            result = await self.client.txn(
+                [compare_mod(record_key, "==", session.record_revision)], [delete_op(record_key)]
+            )
+            if result.succeeded:
+                await self.client.lease_revoke(session.lease)
 
     async def _revoke_quietly(self, lease: int) -> None:
         with contextlib.suppress(EtcdUnavailable, EtcdError):
@@ -369,6 +391,9 @@ class ClusterLockSpace:
             session.lease = lease
             session.expires_at = sent + ttl
             self._by_lease[lease] = session
+        if not session.record_revision:
+            # Also after a write whose answer was lost: every free is guarded by the
+            # record's revision, so it must be known before anything is taken.
             await self._write_record(session, connected=True)
         return session.lease
 
@@ -382,32 +407,44 @@ class ClusterLockSpace:
         grace_ms = round(session.grace * 1000)
         return b"%s %d %d" % (self.node_id.encode(), connected, grace_ms)
 
-    async def _write_record(self, session: ClusterSession, *, connected: bool) -> bool:
+    async def _write_record(
+        self, session: ClusterSession, *, connected: bool | None = None
+    ) -> bool:
         """Write the session's record, guarded by our last write of it: False when
         another node has claimed the session meanwhile (it is then let go here)."""
-        record_key = self.layout.session_record(session.id)
-        value = self._record_value(session, connected=connected)
-        guard = (
-            compare_mod(record_key, "==", session.record_revision)
-            if session.record_revision
-            else compare_create(record_key, "==", 0)
-        )
-        result = await self._etcd(
-            self.client.txn(
-                [guard], [put_op(record_key, value, session.lease)], [range_op(record_key)]
-            ),
-            session,
-        )
-        if result.succeeded:
-            session.record_revision = result.revision
-            return True
-        found = result.kvs(0)
-        if found and found[0].value == value and found[0].lease == session.lease:
-            # A retried write whose first attempt committed.
-            session.record_revision = found[0].mod_revision
-            return True
-        self._moved(session, "its record changed")
-        return False
+        async with session.record_lock:  # one write at a time, each on the last one
+            for _ in range(3):
+                if not session.lease or session.lost:
+                    return False  # ended meanwhile: a record without its lease would stay
+                record_key = self.layout.session_record(session.id)
+                # Unless told, the state at the time of the write: writes queued
+                # behind each other then end on the session's latest state.
+                now_connected = session.connected if connected is None else connected
+                value = self._record_value(session, connected=now_connected)
+                guard = (
+                    compare_mod(record_key, "==", session.record_revision)
+                    if session.record_revision
+                    else compare_create(record_key, "==", 0)
+                )
+                put = put_op(record_key, value, session.lease)
+                result = await self._etcd(
+                    self.client.txn([guard], [put], [range_op(record_key)]), session
+                )
+                if result.succeeded:
+                    session.record_revision = result.revision
+                    return True
+                found = result.kvs(0)
+                if not found or found[0].lease != session.lease:
+                    break
+                if _parse_record(found[0].value)[0] != self.node_id:
+                    break  # another node claimed it
+                # Ours: a retried write whose first attempt committed, or a write of
+                # ours whose answer was lost. Go on from there.
+                session.record_revision = found[0].mod_revision
+                if found[0].value == value:
+                    return True
+            self._moved(session, "its record changed")
+            return False
 
     def disconnect(self, session: Session, now: float) -> None:
         """The connection is gone: plain holds go now (grace 0) or when the grace time
@@ -421,7 +458,7 @@ class ClusterLockSpace:
                 self.sessions_in_grace += 1
             session.grace_deadline = now + session.grace
             self._schedule(session.grace_deadline, session)
-            self._spawn(lambda: self._write_record(session, connected=False), "session record")
+            self._spawn(lambda: self._write_record(session), "session record")
         else:
             self._end_grace(session, now)
 
@@ -443,7 +480,7 @@ class ClusterLockSpace:
             async def free_orphans() -> None:
                 # In this order: the record write moves the guard the deletes carry.
                 await self._delete_entries(session, entries)
-                await self._write_record(session, connected=False)
+                await self._write_record(session)
 
             self._spawn(free_orphans, "free orphaned holds")
             return
@@ -467,9 +504,9 @@ class ClusterLockSpace:
             )
             if not result.succeeded:
                 _, found, _ = await self.client.get(record_key)
-                if found and _parse_record(found[0].value)[0] != self.node_id:
+                if found and found[0].mod_revision != session.record_revision:
                     self._revoking.discard(lease)
-                    return  # claimed by another node meanwhile: not ours to end
+                    return  # written since, by another node (or a new owner here)
             await self.client.lease_revoke(lease)
             self._revoking.discard(lease)
 
@@ -529,8 +566,15 @@ class ClusterLockSpace:
     async def take_over(self, session_id: str, current: ClusterSession) -> ClusterSession | None:
         """``conn_id ID``: a disconnected session of this node, or one whose node
         is gone (its heartbeat expired) while the session's lease still lives."""
-        if not current.is_empty():
-            return None
+        if not current.is_empty() or session_id in self._taking:
+            return None  # one takeover of a session at a time on this node
+        self._taking.add(session_id)
+        try:
+            return await self._take_over(session_id, current)
+        finally:
+            self._taking.discard(session_id)
+
+    async def _take_over(self, session_id: str, current: ClusterSession) -> ClusterSession | None:
         local = self.sessions.get(session_id)
         if local is not None:
             if local.connected or local.lost or not local.lease:
@@ -575,9 +619,14 @@ class ClusterLockSpace:
         if remaining == 0:
             return None
         session.expires_at = sent + remaining
+        # Adopt before the session is known here: until it holds its holds, the
+        # stray sweep must not see its entries. If adopting fails, nobody keeps its
+        # lease alive and etcd frees everything after the TTL.
+        await self._adopt_entries(session)
+        if session_id in self.sessions:
+            return None
         self.sessions[session_id] = session
         self._by_lease[session.lease] = session
-        await self._adopt_entries(session)
         self._forget_empty(current)
         return session
 
@@ -676,13 +725,14 @@ class ClusterLockSpace:
         """Delete entries of this session, each only if it is still the one created
         at its revision (the session itself may have re-created the key since), and
         all only while this node still owns the session."""
-        if not entries:
-            return
         deletes = [
             _nested_txn([compare_create(key, "==", revision)], [delete_op(key)])
             for key, revision in entries
         ]
-        await self._etcd(self.client.txn([self._record_guard(session)], deletes), session)
+        # etcd allows 128 operations per txn (--max-txn-ops) by default.
+        for start in range(0, len(deletes), DELETES_PER_TXN):
+            batch = deletes[start : start + DELETES_PER_TXN]
+            await self._etcd(self.client.txn([self._record_guard(session)], batch), session)
 
     def _check_hold_room(self, session: Session, new: int) -> None:
         if len(session.exclusive) + len(session.shared) + new > self.max_holds:
@@ -747,10 +797,13 @@ class ClusterLockSpace:
     ) -> Grant:
         now = trio.current_time()
         value = entry_value(limit, ttl, session.owner)
+        # Anything of ours created at or before this revision is not this request's:
+        # a stray the sweep may be deleting right now (see _sweep).
+        start = self.mirror.revision
         if kind == EXCLUSIVE and not wait:
-            return await self._try_exclusive(session, keys, entries, value, ttl)
+            return await self._try_exclusive(session, keys, entries, value, ttl, start)
         revision, holds_now, holders = await self._enqueue(
-            session, kind, keys, entries, value, limit
+            session, kind, keys, entries, value, limit, start
         )
         if holds_now and kind == SHARED and limit:
             holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
@@ -773,6 +826,7 @@ class ClusterLockSpace:
         entries: list[bytes],
         value: bytes,
         ttl: float | None,
+        start: int,
     ) -> Grant:
         """One txn: if every key's queue is empty, enter them all."""
         layout, lease = self.layout, session.lease
@@ -789,7 +843,10 @@ class ClusterLockSpace:
         if result.succeeded:
             return self._granted(session, EXCLUSIVE, keys, result.revision, ttl, now, waited=False)
         heads = [result.kvs(i)[0] if result.kvs(i) else None for i in range(len(keys))]
-        if all(h is not None and h.key == e for h, e in zip(heads, entries, strict=True)):
+        if all(
+            h is not None and h.key == e and h.create_revision > start
+            for h, e in zip(heads, entries, strict=True)
+        ):
             # An earlier attempt of this very txn committed before its answer was
             # lost (the client retried): the entries are ours and at the head.
             revision = heads[0].create_revision if heads[0] is not None else 0
@@ -807,6 +864,7 @@ class ClusterLockSpace:
         entries: list[bytes],
         value: bytes,
         limit: int,
+        start: int,
     ) -> tuple[int, bool, int | None]:
         """Enter every queue in one txn: (its revision, whether the new entries hold
         every lock at that revision, and for a shared lock its holders then; None
@@ -838,7 +896,8 @@ class ClusterLockSpace:
             granted = may_grant_shared(_shared_rule_input(queue), revision, limit)
             return revision, granted, holding + 1
         found = [result.kvs(i) for i in range(len(entries))]
-        if all(found) and len({kvs[0].create_revision for kvs in found}) == 1:
+        revisions = {kvs[0].create_revision for kvs in found if kvs}
+        if all(found) and len(revisions) == 1 and revisions.pop() > start:
             # A retried txn whose first attempt committed: use that revision, and
             # let the mirror judge it (the wait path, or a refusal for a try).
             return found[0][0].create_revision, False, None
