@@ -606,3 +606,31 @@ async def test_q_and_metrics_show_node_counters_and_cluster_counts(nodes: Nodes)
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return response.read().decode()  # type: ignore[no-any-return]
+
+
+async def test_many_holds_are_freed_and_taken_over_whole(nodes: Nodes) -> None:
+    """More holds than etcd allows operations in one txn (128): unlock_all frees them
+    all, and a conn_id takeover on another node keeps them all (the stray sweep
+    must not take a session's entries while the takeover adopts them)."""
+    a, b = nodes.start("--session-ttl", "6"), nodes.start("--session-ttl", "6")
+    owner, other = await a.connect(), await b.connect()
+    keys = [b"k%d" % i for i in range(150)]
+    with trio.fail_after(30):
+        await owner.send(b"".join(b"lock %s\n" % key for key in keys))
+        assert [await owner.line() for _ in keys] == [b"200 Acquired\r\n"] * len(keys)
+        assert await owner.request(b"unlock_all") == b"200 OK"
+        await other.send(b"".join(b"g %s\n" % key for key in keys))
+        assert {await other.line() for _ in keys} == {b"1 Got Lock\r\n"}
+        assert await other.request(b"set_timeout 20000") == b"200 timeout set"
+        session_id = (await other.request(b"conn_id")).split()[1]
+        await other.aclose()
+        heir, probe = await a.connect(), await a.connect()
+        while (reply := await heir.request(b"conn_id " + session_id)) != b"200 conn id set":
+            assert reply == b"403 cannot set conn id"  # until B has written "disconnected"
+            await trio.sleep(0.05)
+        await trio.sleep(2.5)  # a keepalive round and its sweep on A
+        await probe.send(b"".join(b"g %s\n" % key for key in keys))
+        assert {await probe.line() for _ in keys} == {b"0 Cannot Get Lock\r\n"}
+        await heir.send(b"".join(b"token %s\n" % key for key in keys))
+        replies = [await heir.line() for _ in keys]
+        assert all(reply.startswith(b"200 ") for reply in replies), replies
