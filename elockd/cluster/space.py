@@ -934,7 +934,7 @@ class ClusterLockSpace:
                 # Timed out, lost, or the peer left: take our entries out of the
                 # queues (also when this task is being cancelled). If etcd cannot
                 # be reached now, the stray sweep deletes them later.
-                with trio.move_on_after(self.client_deadline + 1) as scope:
+                with trio.move_on_after(self.client.deadline + 1) as scope:
                     scope.shield = True
                     with contextlib.suppress(BackendUnavailable):
                         await self._delete_entries(session, [(e, revision) for e in entries])
@@ -949,10 +949,6 @@ class ClusterLockSpace:
         if kind == SHARED:
             return Grant(False, await self._holders(keys[0]))
         return Grant(False, blocked=[k for k in keys if self._held_by_other(session, k)])
-
-    @property
-    def client_deadline(self) -> float:
-        return float(getattr(self.client, "deadline", 3.0))
 
     def _held_by_other(self, session: ClusterSession, key: bytes) -> bool:
         queue = self.mirror.queues.get((EXCLUSIVE, key))
