@@ -391,10 +391,10 @@ class ClusterLockSpace:
             session.lease = lease
             session.expires_at = sent + ttl
             self._by_lease[lease] = session
-        if not session.record_revision:
-            # Also after a write whose answer was lost: every free is guarded by the
-            # record's revision, so it must be known before anything is taken.
-            await self._write_record(session, connected=True)
+        # Also after a write whose answer was lost: every free is guarded by the
+        # record's revision, so it must be known before anything is taken.
+        if not session.record_revision and not await self._write_record(session, connected=True):
+            raise BackendUnavailable("session taken over by another node")
         return session.lease
 
     def _record_guard(self, session: ClusterSession) -> dict[str, Any]:
@@ -582,6 +582,8 @@ class ClusterLockSpace:
             # etcd first: if the record cannot be written, nothing changed here.
             if not await self._write_record(local, connected=True):
                 return None
+            if local.lost or not local.lease or self.sessions.get(session_id) is not local:
+                return None  # its grace or last lease ended while the record was written
             self._adopt_local(local, current)
             return local
         record_key = self.layout.session_record(session_id)
@@ -622,9 +624,19 @@ class ClusterLockSpace:
         # Adopt before the session is known here: until it holds its holds, the
         # stray sweep must not see its entries. If adopting fails, nobody keeps its
         # lease alive and etcd frees everything after the TTL.
-        await self._adopt_entries(session)
-        if session_id in self.sessions:
+        try:
+            await self._adopt_entries(session)
+            # Nobody kept the lease alive while adopting: if it ran out meanwhile,
+            # etcd freed the entries just read. A live lease proves they are intact.
+            sent = trio.current_time()
+            remaining = await self._etcd(self.client.lease_keepalive(record.lease))
+        except BackendUnavailable:
+            # Let a later conn_id (here or elsewhere) try again.
+            self._spawn(lambda: self._write_record(session, connected=False), "session record")
+            raise
+        if remaining == 0 or session_id in self.sessions:
             return None
+        session.expires_at = sent + remaining
         self.sessions[session_id] = session
         self._by_lease[session.lease] = session
         self._forget_empty(current)
