@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import trio
 
+from elockd.cluster.etcd_client import EtcdClient
 from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
 from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, member_status
@@ -481,6 +482,43 @@ async def test_waiter_is_granted_after_its_watch_moves_to_another_member(nodes: 
     with trio.fail_after(5):
         assert await token(waiter, b"K") > before
         assert await observer.request(b"g K") == b"0 Cannot Get Lock"
+
+
+async def test_a_watch_behind_a_compaction_reloads_and_still_grants(nodes: Nodes) -> None:
+    """#15: node B is frozen, the member serving its watch dies, the holder releases
+    and etcd compacts past B's watch. When B resumes, its watch cannot resume from
+    its last revision (compacted): B reloads every queue and grants its waiter from
+    the reloaded state."""
+    etcd = nodes.etcd
+    names = list(etcd.members)
+    victim = etcd.follower()
+    a = nodes.start(*LONG_SESSIONS, endpoints=first(etcd, next(n for n in names if n != victim)))
+    b = nodes.start(*LONG_SESSIONS, endpoints=first(etcd, victim))
+    survivor = next(n for n in names if n != victim)
+    client = EtcdClient([etcd.members[survivor].url])
+    try:
+        with trio.fail_after(10):
+            holder, waiter, observer = await a.connect(), await b.connect(), await a.connect()
+            assert await holder.request(b"lock K") == b"200 Acquired"
+            await waiter.send(b"lock K 20\n")
+            await until_waiting(observer, b"K", 1)
+        b.stop()
+        try:
+            # First, so that nothing after this reaches B's socket buffer either.
+            await in_thread(lambda: etcd.kill(victim))
+            with trio.fail_after(10):
+                assert await holder.request(b"unlock K") == b"200 Unlocked"
+                for index in range(5):  # history the compaction then drops
+                    assert await holder.request(b"lock X%d" % index) == b"200 Acquired"
+                revision = await client.put(b"/compaction-test", b"x")
+                await client.call("kv/compaction", {"revision": str(revision), "physical": True})
+        finally:
+            b.cont()
+        with trio.fail_after(8):
+            assert await waiter.line() == b"200 Acquired\r\n"
+            assert await observer.request(b"g K") == b"0 Cannot Get Lock"
+    finally:
+        await client.aclose()
 
 
 def test_the_etcd_cluster_is_whole_after_the_faults(etcd: EtcdCluster) -> None:

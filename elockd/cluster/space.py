@@ -270,9 +270,24 @@ class ClusterLockSpace:
                 while True:
                     try:
                         await self._load_mirror()
+                        await self._recheck_records()
                         break
-                    except EtcdUnavailable:
+                    except (EtcdUnavailable, EtcdError):
                         await trio.sleep(0.5)
+
+    async def _recheck_records(self) -> None:
+        """After a reload: the session-record changes the watch missed, so a session
+        another node claimed meanwhile is let go here (see _record_changed)."""
+        sessions = self.layout.sessions
+        _, records, _ = await self.client.get(sessions, prefix_end(sessions))
+        for record in records:
+            session = self._by_lease.get(record.lease)
+            if (
+                session is not None
+                and record.mod_revision > session.record_revision
+                and _parse_record(record.value)[0] != self.node_id
+            ):
+                self._moved(session, "claimed by another node while the watch was behind")
 
     async def _keep_alive(self) -> None:
         """Every TTL/3: one keepalive per live session lease, then the stray sweep."""
