@@ -33,11 +33,11 @@ queue behind it: it is not starved.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
+from elockd.deadlines import Deadlines
 from elockd.sessions import Hold, Session
 
 WAITING = 0
@@ -109,10 +109,6 @@ class Waiter:
 #: not wait: the keys held by other sessions.
 Blocked = list[bytes]
 
-# Heap entries: (deadline, tie-breaker, the Hold whose lease ends or the Session
-# whose grace ends).
-_Timer = tuple[float, int, "Hold | Session"]
-
 
 class LockEngine:
     """Exclusive and counted shared locks with FIFO waits, leases and sessions."""
@@ -145,8 +141,7 @@ class LockEngine:
         self.shared: dict[bytes, Hold | dict[Session, Hold]] = {}
         self._xqueues: dict[bytes, deque[Waiter]] = {}
         self._squeues: dict[bytes, deque[Waiter]] = {}
-        self._timers: list[_Timer] = []
-        self._tiebreak = itertools.count()
+        self._deadlines: Deadlines[Hold | Session] = Deadlines()
         self._arrivals = itertools.count(1)
         self._next_token = first_token
         self.max_waiters = max_waiters
@@ -601,21 +596,16 @@ class LockEngine:
         self._schedule(deadline, hold)
 
     def _schedule(self, deadline: float, target: Hold | Session) -> None:
-        timers = self._timers
-        earliest = timers[0][0] if timers else None
-        heapq.heappush(timers, (deadline, next(self._tiebreak), target))
-        if self.on_new_deadline is not None and (earliest is None or deadline < earliest):
+        if self._deadlines.add(deadline, target) and self.on_new_deadline is not None:
             self.on_new_deadline()
 
     def next_deadline(self) -> float | None:
         """When :meth:`advance` next has work (possibly a stale entry), or None."""
-        return self._timers[0][0] if self._timers else None
+        return self._deadlines.next()
 
     def advance(self, now: float) -> None:
         """Run every deadline that is due: lease ends, then grace ends."""
-        timers = self._timers
-        while timers and timers[0][0] <= now:
-            deadline, _, target = heapq.heappop(timers)
+        for deadline, target in self._deadlines.due(now):
             if isinstance(target, Hold):
                 if target.lease_deadline == deadline:  # else renewed or freed: stale
                     self.expired += 1

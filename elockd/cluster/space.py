@@ -18,8 +18,6 @@ quorum every decision fails closed with :class:`~elockd.protocol.BackendUnavaila
 from __future__ import annotations
 
 import contextlib
-import heapq
-import itertools
 import logging
 import math
 import os
@@ -52,6 +50,7 @@ from elockd.cluster.mirror import (
     QueueMirror,
     may_grant_shared,
 )
+from elockd.deadlines import Deadlines
 from elockd.locks import QueueFull, TooManyHolds
 from elockd.protocol import BackendUnavailable
 from elockd.sessions import Hold, Session
@@ -147,8 +146,7 @@ class ClusterLockSpace:
         self.mirror = QueueMirror(self.layout, on_other=self._record_changed)
         self.token_floor = 0
         self.sessions: dict[str, ClusterSession] = {}
-        self._timers: list[tuple[float, int, ClusterHold | ClusterSession]] = []
-        self._tiebreak = itertools.count()
+        self._deadlines: Deadlines[ClusterHold | ClusterSession] = Deadlines()
         self._nursery: trio.Nursery | None = None
         self._node_lease = 0
         self._by_lease: dict[int, ClusterSession] = {}
@@ -1126,19 +1124,15 @@ class ClusterLockSpace:
         self._schedule(deadline, hold)
 
     def _schedule(self, deadline: float, target: ClusterHold | ClusterSession) -> None:
-        earliest = self._timers[0][0] if self._timers else math.inf
-        heapq.heappush(self._timers, (deadline, next(self._tiebreak), target))
-        if deadline < earliest and self.on_new_deadline is not None:
+        if self._deadlines.add(deadline, target) and self.on_new_deadline is not None:
             self.on_new_deadline()
 
     def next_deadline(self) -> float | None:
-        return self._timers[0][0] if self._timers else None
+        return self._deadlines.next()
 
     def advance(self, now: float) -> None:
         """Run every lease and grace end due by ``now`` (the server's timer task)."""
-        timers = self._timers
-        while timers and timers[0][0] <= now:
-            deadline, _, target = heapq.heappop(timers)
+        for deadline, target in self._deadlines.due(now):
             if isinstance(target, ClusterSession):
                 if target.grace_deadline == deadline and not target.connected:
                     self._end_grace(target, now)
