@@ -91,11 +91,14 @@ def _wait_reply(
     return Pending(conn, waiter, wait, lambda: granted, lambda _blocked: refused)
 
 
-def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
+def lock_args(rest: bytes) -> tuple[bytes, float, float | None]:
+    """``lock K [WAIT] [ttl=S]``: key, seconds to wait (0: try once), lease."""
     args = Args(rest, TTL_OPTION, 2)
-    key = args.key()
-    wait = args.seconds(1, "WAIT")
-    ttl = args.option_seconds(b"ttl")
+    return args.key(), args.seconds(1, "WAIT") or 0.0, args.option_seconds(b"ttl")
+
+
+def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
+    key, wait, ttl = lock_args(rest)
     if not wait:
         return ACQUIRED if conn.engine.acquire(conn.session, key, now, ttl) else UNAVAILABLE
     try:
@@ -163,12 +166,18 @@ def parse_limit(args: Args) -> int | None:
 SHARED_OPTIONS = frozenset({b"limit", b"ttl"})
 
 
-def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
+def lock_shared_args(rest: bytes) -> tuple[bytes, float, int | None, float | None]:
+    """``lock_shared K [WAIT] [limit=N] [ttl=S]``: key, wait, limit, lease. Without a
+    limit it never waits, so the wait is 0 then."""
     args = Args(rest, SHARED_OPTIONS, 2)
     key = args.key()
-    wait = args.seconds(1, "WAIT")
+    wait = args.seconds(1, "WAIT") or 0.0
     limit = parse_limit(args)
-    ttl = args.option_seconds(b"ttl")
+    return key, wait if limit is not None else 0.0, limit, args.option_seconds(b"ttl")
+
+
+def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
+    key, wait, limit, ttl = lock_shared_args(rest)
     engine = conn.engine
     if not wait or limit is None:
         granted, count = engine.acquire_shared(conn.session, key, now, limit=limit, ttl=ttl)
@@ -198,16 +207,21 @@ def cmd_unlock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
 MLOCK_OPTIONS = frozenset({b"wait", b"ttl"})
 
 
-def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
+def mlock_args(rest: bytes) -> tuple[list[bytes], float, float | None]:
+    """``mlock K1 K2 ... [wait=S] [ttl=S]``: the distinct keys in order, wait, lease."""
     args = Args(rest, MLOCK_OPTIONS, 1 << 30)
-    keys = args.positional
+    keys = list(dict.fromkeys(args.positional))
     if not keys:
         raise BadRequest("missing key")
-    if len(dict.fromkeys(keys)) > conn.service.config.max_keys:
-        return TOO_MANY_KEYS
     wait_option = args.options.get(b"wait")
     wait = parse_number(wait_option, "wait") if wait_option is not None else 0.0
-    ttl = args.option_seconds(b"ttl")
+    return keys, wait, args.option_seconds(b"ttl")
+
+
+def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
+    keys, wait, ttl = mlock_args(rest)
+    if len(keys) > conn.service.config.max_keys:
+        return TOO_MANY_KEYS
     try:
         result = conn.engine.request_many(conn.session, keys, now, ttl=ttl, wait=wait > 0)
     except QueueFull:
@@ -225,12 +239,18 @@ def unavailable_keys(keys: list[bytes]) -> bytes:
     return b"409 Unavailable %s\r\n" % b" ".join(keys)
 
 
-def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
+def renew_args(rest: bytes) -> tuple[bytes, float]:
+    """``renew K ttl=S``: the key and the seconds (both backends parse it so)."""
     args = Args(rest, TTL_OPTION, 1)
     key = args.key()
     ttl = args.option_seconds(b"ttl")
     if ttl is None:
         raise BadRequest("missing ttl")
+    return key, ttl
+
+
+def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
+    key, ttl = renew_args(rest)
     return b"200 Renewed\r\n" if conn.engine.renew(conn.session, key, now, ttl) else NOT_LOCKED
 
 

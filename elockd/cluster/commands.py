@@ -19,22 +19,21 @@ from elockd.cluster.layout import EXCLUSIVE, SHARED, parse_entry_value
 from elockd.cluster.space import ClusterLockSpace, ClusterSession
 from elockd.commands import COMMANDS
 from elockd.locks import QueueFull
-from elockd.protocol import BadRequest, Deferred
+from elockd.protocol import Deferred
 from elockd.terse import render_pairs, terse_key
 from elockd.word import (
     ACQUIRED,
-    MLOCK_OPTIONS,
     NO_OPTIONS,
     NOT_LOCKED,
-    SHARED_OPTIONS,
     TOO_MANY_KEYS,
     TOO_MANY_WAITERS,
-    TTL_OPTION,
     UNAVAILABLE,
     UNLOCKED,
     Args,
-    parse_limit,
-    parse_number,
+    lock_args,
+    lock_shared_args,
+    mlock_args,
+    renew_args,
     unavailable_keys,
 )
 
@@ -163,10 +162,7 @@ def cmd_dump(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, TTL_OPTION, 2)
-    key = args.key()
-    wait = args.seconds(1, "WAIT") or 0.0
-    ttl = args.option_seconds(b"ttl")
+    key, wait, ttl = lock_args(rest)
 
     async def run() -> bytes:
         grant = await _space(conn).acquire(
@@ -215,13 +211,7 @@ def cmd_conn_id(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, SHARED_OPTIONS, 2)
-    key = args.key()
-    wait = args.seconds(1, "WAIT") or 0.0
-    limit = parse_limit(args)
-    ttl = args.option_seconds(b"ttl")
-    if limit is None:
-        wait = 0.0  # without a limit it never waits
+    key, wait, limit, ttl = lock_shared_args(rest)
 
     async def run() -> bytes:
         grant = await _space(conn).acquire(
@@ -243,15 +233,9 @@ def cmd_unlock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, MLOCK_OPTIONS, 1 << 30)
-    keys = list(dict.fromkeys(args.positional))
-    if not keys:
-        raise BadRequest("missing key")
+    keys, wait, ttl = mlock_args(rest)
     if len(keys) > conn.service.config.max_keys:
         return TOO_MANY_KEYS
-    wait_option = args.options.get(b"wait")
-    wait = parse_number(wait_option, "wait") if wait_option is not None else 0.0
-    ttl = args.option_seconds(b"ttl")
 
     async def run() -> bytes:
         grant = await _space(conn).acquire(
@@ -263,19 +247,9 @@ def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
-    args = Args(rest, TTL_OPTION, 1)
-    key = args.key()
-    ttl = args.option_seconds(b"ttl")
-    if ttl is None:
-        raise BadRequest("missing ttl")
+    key, ttl = renew_args(rest)
     renewed = _space(conn).renew(conn.session, key, ttl)
     return b"200 Renewed\r\n" if renewed else NOT_LOCKED
-
-
-def cmd_token(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = Args(rest, NO_OPTIONS, 1).key()
-    hold = conn.session.exclusive.get(key)
-    return NOT_LOCKED if hold is None else b"200 %d\r\n" % hold.token
 
 
 def cmd_info(conn: Connection, rest: bytes, now: float) -> Reply:
@@ -322,6 +296,5 @@ CLUSTER_COMMANDS: dict[bytes, Handler] = {
     b"unlock_shared": cmd_unlock_shared,
     b"mlock": cmd_mlock,
     b"renew": cmd_renew,
-    b"token": cmd_token,
     b"info": cmd_info,
 }

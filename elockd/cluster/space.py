@@ -1109,11 +1109,10 @@ class ClusterLockSpace:
         return head, holders, waiting_exclusive + waiting_shared
 
     def local_hold(self, lease: int, key: bytes) -> ClusterHold | None:
-        for session in self.sessions.values():
-            if session.lease == lease:
-                hold = session.exclusive.get(key)
-                return hold if isinstance(hold, ClusterHold) else None
-        return None
+        """The exclusive hold on ``key`` of this node's session with ``lease``."""
+        session = self._by_lease.get(lease)
+        hold = session.exclusive.get(key) if session is not None else None
+        return hold if isinstance(hold, ClusterHold) else None
 
     # ----------------------------------------------------------------- timers
 
