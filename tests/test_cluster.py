@@ -634,3 +634,31 @@ async def test_many_holds_are_freed_and_taken_over_whole(nodes: Nodes) -> None:
         await heir.send(b"".join(b"token %s\n" % key for key in keys))
         replies = [await heir.line() for _ in keys]
         assert all(reply.startswith(b"200 ") for reply in replies), replies
+
+
+async def test_repeats_renew_of_shared_and_quit_follow_protocol(nodes: Nodes) -> None:
+    """PROTOCOL.md rules the cluster verbs reimplement: a holder asking again gets
+    no second hold (a ttl then sets its lease), `renew` works on a shared hold, and
+    `quit` ends the session by the grace rule (0: freed at once, everywhere)."""
+    a, b = nodes.start(), nodes.start()
+    holder, other = await a.connect(), await b.connect()
+    with trio.fail_after(5):
+        assert await holder.request(b"lock K") == b"200 Acquired"
+        token = await token_of(holder, b"K")
+        assert await holder.request(b"lock K 0 ttl=30") == b"200 Acquired"
+        assert await token_of(holder, b"K") == token
+        assert float((await info_of(holder, b"K"))[b"ttl"]) > 29
+        assert await holder.request(b"lock_shared S") == b"200 1"
+        assert await holder.request(b"lock_shared S 0 limit=1") == b"200 1"  # no second hold
+        assert await other.request(b"si S") == b"1 Locked"
+        assert await holder.request(b"renew S ttl=30") == b"200 Renewed"
+        assert await holder.request(b"renew Z ttl=30") == b"403 Not Locked"
+        assert (await holder.stats())["leases"] == 2
+        assert await holder.request(b"lock P") == b"200 Acquired"  # a plain hold
+        assert await holder.request(b"quit") == b"200 Bye"
+        assert await holder.at_eof()
+        # The ttl= leases outlive the connection, as on one server; nothing else does.
+        assert await other.request(b"g K") == b"0 Cannot Get Lock"
+        assert await other.request(b"lock_shared S 0 limit=1") == b"409 1"
+        while await other.request(b"g P") != b"1 Got Lock":  # freed as an orphan
+            await trio.sleep(0.02)
