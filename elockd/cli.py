@@ -35,6 +35,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a number, 0 or more")
+    return value
+
+
 def session_ttl(text: str) -> int:
     """etcd raises lease TTLs below its own minimum (about 1.5 election timeouts,
     2 s at etcd's defaults) anyway; asking for less would only mislead."""
@@ -62,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         default=defaults.metrics_port,
         help="HTTP port of /metrics and /healthz (0: off)",
+    )
+    add(
+        "--metrics-max-connections",
+        type=positive_int,
+        default=defaults.metrics_max_connections,
+        help="HTTP connections at once on the metrics port; more wait in the backlog",
+    )
+    add(
+        "--metrics-idle-timeout",
+        type=positive_float,
+        default=defaults.metrics_idle_timeout,
+        metavar="SECONDS",
+        help="close an HTTP connection idle for this long",
     )
     add(
         "--replies",
@@ -95,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="holds one session may have at once ('0 Too Many Holds' / '413 Too Many Holds')",
     )
     add(
+        "--max-sessions",
+        type=positive_int,
+        default=defaults.max_sessions,
+        help="sessions without a connection (in grace or owning leases) kept at once; "
+        "one more ends at once, its holds freed",
+    )
+    add(
+        "--max-ttl",
+        type=positive_float,
+        default=defaults.max_ttl,
+        metavar="SECONDS",
+        help="longest WAIT, wait=, ttl= and set_timeout a request may ask for (longer: 400)",
+    )
+    add(
         "--idle-timeout",
         type=positive_float,
         default=None,
@@ -115,6 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.handshake_timeout,
         metavar="SECONDS",
         help="time a TLS client has to finish its handshake",
+    )
+    add(
+        "--keepalive",
+        type=non_negative_float,
+        default=defaults.keepalive,
+        metavar="SECONDS",
+        help="notice a client host that vanished (no FIN, no RST) within this long "
+        "through TCP keepalive (0: the operating system's defaults)",
+    )
+    add(
+        "--auth-failure-delay",
+        type=non_negative_float,
+        default=defaults.auth_failure_delay,
+        metavar="SECONDS",
+        help="answer a wrong 'auth' token only after this long (other clients go on)",
     )
     add(
         "--auth-token-file",

@@ -12,16 +12,28 @@ class Config:
     unix: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9998
+    # HTTP connections (scrapers, health checks) at once, and how long one may idle.
+    metrics_max_connections: int = 32
+    metrics_idle_timeout: float = 10.0
     replies: str = "elockd"
     max_connections: int = 10_000
     max_line: int = 4096
     max_keys: int = 64
     max_waiters: int = 10_000
     max_holds: int = 10_000
+    # Sessions without a connection (in grace or owning leases) kept at once.
+    max_sessions: int = 10_000
+    # The longest WAIT, wait=, ttl= and set_timeout a request may ask for, in seconds.
+    max_ttl: float = 86_400.0
     grace_ms: int = 0
     idle_timeout: float | None = None
     send_timeout: float = 30.0
     handshake_timeout: float = 10.0
+    # TCP keepalive and TCP_USER_TIMEOUT: a vanished peer is noticed within this many
+    # seconds (0 keeps the operating system's defaults).
+    keepalive: float = 30.0
+    # A failed `auth` is answered only after this long, so guessing tokens is slow.
+    auth_failure_delay: float = 1.0
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
