@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elockd.logthrottle import LogThrottle
 from elockd.stats import HOLD_BUCKETS, Buckets
 
 durations = st.lists(
@@ -28,3 +32,24 @@ def test_a_value_on_a_bound_is_counted_in_that_bound() -> None:
     buckets.observe_many([1.0, 2.0, 2.5])
     assert buckets.counts == [1, 1, 1]
     assert buckets.cumulative() == [("1.0", 1), ("2.0", 2), ("+Inf", 3)]
+
+
+def test_log_throttle_logs_once_per_interval_with_a_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    throttle = LogThrottle(logging.getLogger("elockd.test"), interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="elockd.test"):
+        assert throttle("refused %s", "a")
+        for _ in range(5):
+            now[0] += 1.0
+            assert not throttle("refused %s", "b")
+        now[0] = 10.0
+        assert throttle("refused %s", "c")
+        now[0] = 25.0
+        assert throttle("refused %s", "d")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused a",
+        "refused c (5 more like this in the last 10 s)",
+        "refused d",
+    ]
