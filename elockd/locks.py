@@ -11,10 +11,23 @@ Tables
     * ``shared``: key -> its one Hold, or {session: Hold} once a second session
       holds it (``sg``, ``lock_shared``). A key may be held both ways at once; the
       tables are independent, as in elockd.
-    * per-key FIFO queues of waiters, one set for each table.
-    * one heap of deadlines (lease ends, grace ends). Entries are never removed from
-      the middle; a stale entry (the lease was renewed or freed) is recognised when
-      it reaches the top and dropped, so renewing costs O(log n) and nothing scans.
+    * per-key FIFO queues of waiters, one set for each table. A queue is an
+      insertion-ordered dict, so a waiter that leaves from the middle (its wait timed
+      out, its client went away) costs O(1): 10,000 waits on one key timing out
+      together must not cost 10,000 x 10,000 steps.
+    * one heap of deadlines (lease ends, grace ends, wait ends). Entries are never
+      removed from the middle; a stale entry (the lease was renewed or freed) is
+      recognised when it reaches the top and dropped, so renewing costs O(log n) and
+      nothing scans.
+
+Bounded slices of work
+    Whatever a crowd can trigger at once is done in slices, so that no other client
+    waits behind it (Redis frees big values lazily for the same reason):
+    :meth:`advance` takes a ``budget`` of deadlines to run, and a session that ends
+    while holding locks is freed inline only while this slice's budget of holds
+    lasts; past it, it joins a queue that :meth:`advance` works through, a slice at a
+    time. Until then its holds stay held: a hold is free only when the engine says so,
+    so exclusion and grant order are exactly what they would be without slicing.
 
 Invariants (checked by the model test in ``tests/test_engine_model.py``)
     * at most one exclusive holder per key;
@@ -34,7 +47,8 @@ queue behind it: it is not starved.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import math
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 
 from elockd.deadlines import Deadlines
@@ -53,6 +67,17 @@ class TooManyHolds(Exception):
     """The session already has ``max_holds`` holds; a new one would pass the limit."""
 
 
+#: Holds freed per slice when sessions end in a crowd (10,000 connections holding a
+#: million locks dropping at once). About a millisecond of work; a single session
+#: is never split, so one slice frees at most this plus ``max_holds``.
+FREE_SLICE = 2000
+
+#: Why a session's plain holds were freed, as :attr:`LockEngine.on_session_end` hears it.
+ENDED_DISCONNECTED = "disconnected"
+ENDED_GRACE_EXPIRED = "grace expired"
+ENDED_SESSION_LIMIT = "session limit"
+
+
 class Waiter:
     """One request that could not be granted at once and chose to wait.
 
@@ -64,6 +89,7 @@ class Waiter:
 
     __slots__ = (
         "count",
+        "deadline",
         "keys",
         "limit",
         "missing",
@@ -98,11 +124,19 @@ class Waiter:
         self.taken: list[bytes] = []
         self.missing = len(keys)
         self.count = 0
+        self.deadline = math.inf  # when the wait gives up (the engine times it out)
         self.wake: Callable[[], None] | None = None
 
     @property
     def granted(self) -> bool:
         return self.state == GRANTED
+
+    @property
+    def waiting(self) -> bool:
+        return self.state == WAITING
+
+
+Queue = OrderedDict[Waiter, None]
 
 
 #: What :meth:`LockEngine.request_many` returns when it cannot grant at once and may
@@ -119,6 +153,8 @@ class LockEngine:
         first_token: int = 1,
         max_waiters: int = 10_000,
         max_holds: int = 10_000,
+        max_sessions: int = 10_000,
+        free_slice: int = FREE_SLICE,
         on_new_deadline: Callable[[], None] | None = None,
         on_hold_end: Callable[[bool, float], None] | None = None,
         on_wait_end: Callable[[bool, float], None] | None = None,
@@ -131,7 +167,10 @@ class LockEngine:
         histograms (``on_holds_end(shared, [seconds, ...])`` takes the holds a
         session frees at once, in one call) and ``on_wait_end(shared, seconds)``
         wait-time histograms (called once per request that waited, however its wait
-        ended)."""
+        ended). ``max_sessions`` bounds the sessions kept without a connection;
+        ``free_slice`` is how many holds of ending sessions one slice frees.
+        ``on_session_end(session, exclusive, shared, why)`` hears of every session whose
+        plain holds were freed because it ended (the audit trail of orphans)."""
         self.sessions: dict[str, Session] = {}
         self.exclusive: dict[bytes, Hold] = {}
         # A shared key taken by one holder maps to that Hold; from a second holder on
@@ -139,13 +178,20 @@ class LockEngine:
         # itself, and most shared keys have a single holder. Read it through
         # shared_count / shared_holds.
         self.shared: dict[bytes, Hold | dict[Session, Hold]] = {}
-        self._xqueues: dict[bytes, deque[Waiter]] = {}
-        self._squeues: dict[bytes, deque[Waiter]] = {}
-        self._deadlines: Deadlines[Hold | Session] = Deadlines()
+        self._xqueues: dict[bytes, Queue] = {}
+        self._squeues: dict[bytes, Queue] = {}
+        self._deadlines: Deadlines[Hold | Session | Waiter] = Deadlines()
+        # Sessions whose holds wait to be freed in a later slice, and how many holds
+        # this slice may still free inline (reset by advance()).
+        self._ending: deque[tuple[Session, str]] = deque()
+        self.free_slice = free_slice
+        self._free_budget = free_slice
         self._arrivals = itertools.count(1)
         self._next_token = first_token
         self.max_waiters = max_waiters
         self.max_holds = max_holds
+        self.max_sessions = max_sessions
+        self.on_session_end: Callable[[Session, int, int, str], None] | None = None
         self.on_new_deadline = on_new_deadline
         self.on_hold_end = on_hold_end
         self.on_wait_end = on_wait_end
@@ -161,6 +207,8 @@ class LockEngine:
         # them at scrape time would walk every shared key or every session.
         self.shared_holders = 0
         self.sessions_in_grace = 0
+        # Sessions in self.sessions without a connection (grace, leases, or ending).
+        self.detached = 0
 
     def extra_counters(self) -> dict[str, int]:
         """Backend-specific `q` counters: none for the in-memory engine."""
@@ -175,11 +223,18 @@ class LockEngine:
 
     def disconnect(self, session: Session, now: float) -> None:
         """The session's connection is gone: cancel its waits, then free its plain
-        holds now (grace 0) or when its grace time ends. Leases stay."""
+        holds now (grace 0) or when its grace time ends. Leases stay.
+
+        A session that would live on without a connection while ``max_sessions``
+        already do ends at once instead, leases and all (PROTOCOL.md: Sessions)."""
         session.connected = False
+        self.detached += 1
         for waiter in list(session.waiters):
             self.cancel(waiter, now)
-        if session.grace > 0:
+        lives_on = session.grace > 0 or session.leases > 0
+        if lives_on and self.detached > self.max_sessions:
+            self._end_now(session, now)
+        elif session.grace > 0:
             if session.grace_deadline is None:
                 self.sessions_in_grace += 1
             session.grace_deadline = now + session.grace
@@ -187,13 +242,25 @@ class LockEngine:
         else:
             self._end_grace(session, now)
 
+    def _end_now(self, session: Session, now: float) -> None:
+        """Over ``max_sessions``: every hold goes, leases too, counted as orphans."""
+        exclusive, shared = len(session.exclusive), len(session.shared)
+        self.orphans += exclusive
+        self.shared_orphans += shared
+        for hold in [*session.exclusive.values(), *session.shared.values()]:
+            self._free(hold, now)
+        self._forget_if_done(session)
+        if self.on_session_end is not None:
+            self.on_session_end(session, exclusive, shared, ENDED_SESSION_LIMIT)
+
     def take_over(self, session_id: str, current: Session) -> Session | None:
         """``conn_id ID``: move the connection of ``current`` (which must hold and
         wait for nothing) onto the disconnected session ``session_id``."""
         target = self.sessions.get(session_id)
-        if target is None or target.connected or not current.is_empty():
+        if target is None or target.connected or target.ending or not current.is_empty():
             return None
         target.connected = True
+        self.detached -= 1
         if target.grace_deadline is not None:
             self.sessions_in_grace -= 1
         target.grace_deadline = None  # its heap entry goes stale
@@ -204,20 +271,45 @@ class LockEngine:
         self.sessions.pop(current.id, None)
         return target
 
-    def _end_grace(self, session: Session, now: float) -> None:
+    def _end_grace(self, session: Session, now: float, why: str = ENDED_DISCONNECTED) -> None:
+        """Free the session's plain holds (they are orphans now): inline while this
+        slice's budget lasts, else in a later slice of :meth:`advance`."""
         if session.grace_deadline is not None:
             self.sessions_in_grace -= 1
         session.grace_deadline = None
+        holds = len(session.exclusive) + len(session.shared)
+        if holds > self._free_budget:
+            session.ending = True  # its holds stay held until then; conn_id refuses it
+            if not self._ending and self.on_new_deadline is not None:
+                self.on_new_deadline()  # wake the timer: there is work now
+            self._ending.append((session, why))
+            return
+        self._free_budget -= holds
+        self._free_orphans(session, now, why)
+
+    def _free_orphans(self, session: Session, now: float, why: str) -> None:
         if session.leases:
-            for hold in [h for h in session.exclusive.values() if h.lease_deadline is None]:
-                self.orphans += 1
+            exclusive = [h for h in session.exclusive.values() if h.lease_deadline is None]
+            shared = [h for h in session.shared.values() if h.lease_deadline is None]
+            self.orphans += len(exclusive)
+            self.shared_orphans += len(shared)
+            for hold in [*exclusive, *shared]:
                 self._free(hold, now)
-            for hold in [h for h in session.shared.values() if h.lease_deadline is None]:
-                self.shared_orphans += 1
-                self._free(hold, now)
+            freed = len(exclusive), len(shared)
         else:
+            freed = len(session.exclusive), len(session.shared)
             self._free_everything(session, now)
+        session.ending = False
         self._forget_if_done(session)
+        if self.on_session_end is not None and (freed[0] or freed[1]):
+            self.on_session_end(session, *freed, why)
+
+    def _free_ending(self, now: float) -> None:
+        """Free queued ending sessions, whole, until this slice's budget is spent."""
+        while self._ending and self._free_budget > 0:
+            session, why = self._ending.popleft()
+            self._free_budget -= len(session.exclusive) + len(session.shared)
+            self._free_orphans(session, now, why)
 
     def _free_everything(self, session: Session, now: float) -> None:
         """:meth:`_free` for every hold of a session that owns no lease and waits for
@@ -257,8 +349,14 @@ class LockEngine:
                 self.on_hold_end(shared, each)
 
     def _forget_if_done(self, session: Session) -> None:
-        if not session.connected and session.grace_deadline is None and session.leases == 0:
-            self.sessions.pop(session.id, None)
+        if (
+            not session.connected
+            and session.grace_deadline is None
+            and session.leases == 0
+            and not session.ending
+            and self.sessions.pop(session.id, None) is not None
+        ):
+            self.detached -= 1
 
     # --------------------------------------------------------------- exclusive
 
@@ -278,16 +376,22 @@ class LockEngine:
         return False
 
     def wait_for(
-        self, session: Session, key: bytes, now: float, ttl: float | None = None
+        self,
+        session: Session,
+        key: bytes,
+        now: float,
+        ttl: float | None = None,
+        timeout: float = math.inf,
     ) -> Waiter | None:
-        """Acquire, or queue first come, first served. None means granted at once."""
+        """Acquire, or queue first come, first served, for at most ``timeout`` seconds
+        (then the waiter is cancelled and woken). None means granted at once."""
         if self.acquire(session, key, now, ttl):
             return None
         self._check_hold_room(session, 1)
         self._check_room(self._xqueues, (key,))
         waiter = Waiter(session, (key,), shared=False, limit=1, ttl=ttl, since=now)
-        self._xqueues.setdefault(key, deque()).append(waiter)
-        self._add_waiter(waiter)
+        _enqueue(self._xqueues, key, waiter)
+        self._add_waiter(waiter, now + timeout)
         return waiter
 
     def release(self, session: Session, key: bytes, now: float) -> bool:
@@ -316,11 +420,13 @@ class LockEngine:
         *,
         ttl: float | None = None,
         wait: bool = False,
+        timeout: float = math.inf,
     ) -> Waiter | Blocked | None:
         """All-or-nothing exclusive hold of ``keys``.
 
         Returns None when granted at once, the keys held by others when it may not
-        wait, else a Waiter that already holds every key it could take fairly.
+        wait, else a Waiter (waiting at most ``timeout`` seconds) that already holds
+        every key it could take fairly.
         """
         wanted = tuple(dict.fromkeys(keys))
         blocked = [k for k in wanted if self._held_by_other(session, k)]
@@ -336,10 +442,10 @@ class LockEngine:
         self._check_room(self._xqueues, missing)
         waiter = Waiter(session, wanted, shared=False, limit=1, ttl=ttl, since=now)
         waiter.missing = len(missing)
-        self._add_waiter(waiter)
+        self._add_waiter(waiter, now + timeout)
         for key in missing:
             if key in self.exclusive:
-                self._xqueues.setdefault(key, deque()).append(waiter)
+                _enqueue(self._xqueues, key, waiter)
             else:  # free, hence no queue: nobody older wants it
                 self._take_for(waiter, key, now)
         return waiter
@@ -405,17 +511,25 @@ class LockEngine:
         return count
 
     def wait_shared(
-        self, session: Session, key: bytes, now: float, *, limit: int, ttl: float | None = None
+        self,
+        session: Session,
+        key: bytes,
+        now: float,
+        *,
+        limit: int,
+        ttl: float | None = None,
+        timeout: float = math.inf,
     ) -> Waiter | int:
-        """Acquire with a limit, or queue FIFO. An int is the holder count of a grant."""
+        """Acquire with a limit, or queue FIFO for at most ``timeout`` seconds. An int
+        is the holder count of a grant."""
         granted, count = self.acquire_shared(session, key, now, limit=limit, ttl=ttl)
         if granted:
             return count
         self._check_hold_room(session, 1)
         self._check_room(self._squeues, (key,))
         waiter = Waiter(session, (key,), shared=True, limit=limit, ttl=ttl, since=now)
-        self._squeues.setdefault(key, deque()).append(waiter)
-        self._add_waiter(waiter)
+        _enqueue(self._squeues, key, waiter)
+        self._add_waiter(waiter, now + timeout)
         return waiter
 
     def release_shared(self, session: Session, key: bytes, now: float) -> int | None:
@@ -499,17 +613,14 @@ class LockEngine:
                 # In its place by arrival, not at the back: every queue must keep the
                 # one order of arrival, or two mlocks could each hold what the other
                 # waits for (see the module docstring).
-                queue = self._xqueues.setdefault(key, deque())
-                place = next(
-                    (i for i, other in enumerate(queue) if other.serial > waiter.serial),
-                    len(queue),
-                )
-                queue.insert(place, waiter)
+                queue = _enqueue(self._xqueues, key, waiter)
+                for later in [w for w in queue if w.serial > waiter.serial]:
+                    queue.move_to_end(later)
 
     def _serve_exclusive(self, key: bytes, now: float) -> None:
         queue = self._xqueues.get(key)
         if queue:
-            waiter = queue.popleft()
+            waiter, _ = queue.popitem(last=False)
             if not queue:
                 del self._xqueues[key]
             self._take_for(waiter, key, now)
@@ -518,10 +629,10 @@ class LockEngine:
         """Grant queued shared waiters, oldest first, while the head fits its limit."""
         queue = self._squeues.get(key)
         while queue:
-            waiter = queue[0]
+            waiter = next(iter(queue))
             if self.shared_count(key) >= waiter.limit:
                 return
-            queue.popleft()
+            del queue[waiter]
             if not queue:
                 del self._squeues[key]
             waiter.count = self._grant_shared(waiter.session, key, now, None)
@@ -534,16 +645,19 @@ class LockEngine:
         if len(session.exclusive) + len(session.shared) + new > self.max_holds:
             raise TooManyHolds
 
-    def _check_room(self, queues: dict[bytes, deque[Waiter]], keys: Iterable[bytes]) -> None:
+    def _check_room(self, queues: dict[bytes, Queue], keys: Iterable[bytes]) -> None:
         for key in keys:
             queue = queues.get(key)
             if queue is not None and len(queue) >= self.max_waiters:
                 raise QueueFull(key)
 
-    def _add_waiter(self, waiter: Waiter) -> None:
+    def _add_waiter(self, waiter: Waiter, deadline: float) -> None:
         waiter.serial = next(self._arrivals)
         waiter.session.waiters.add(waiter)
         self.waiting += 1
+        if deadline < math.inf:
+            waiter.deadline = deadline
+            self._schedule(deadline, waiter)
 
     def _complete(self, waiter: Waiter, now: float) -> None:
         waiter.state = GRANTED
@@ -573,18 +687,28 @@ class LockEngine:
         queues = self._squeues if waiter.shared else self._xqueues
         for key in waiter.keys:
             queue = queues.get(key)
-            if queue is not None and waiter in queue:
-                queue.remove(waiter)
-                if not queue:
-                    del queues[key]
+            if queue is not None and queue.pop(waiter, False) is None and not queue:
+                del queues[key]
+        blocked = self.blocked_keys(waiter)
         if waiter.shared:
-            blocked = list(waiter.keys)
             self._serve_shared(waiter.keys[0], now)  # a new head may fit its limit
         else:
-            blocked = [k for k in waiter.keys if self._held_by_other(waiter.session, k)]
             for key in waiter.taken:
                 self._free(waiter.session.exclusive[key], now)
         return blocked
+
+    def blocked_keys(self, waiter: Waiter) -> Blocked:
+        """The keys that keep ``waiter`` from its grant: held by other sessions (a
+        shared waiter names its key: it waits for room under its limit)."""
+        if waiter.shared:
+            return list(waiter.keys)
+        return [k for k in waiter.keys if self._held_by_other(waiter.session, k)]
+
+    def _time_out(self, waiter: Waiter, now: float) -> None:
+        """A wait reached its deadline: it gives up, and its client hears at once."""
+        self.cancel(waiter, now, timed_out=True)
+        if waiter.wake is not None:
+            waiter.wake()
 
     # ------------------------------------------------------------------ leases
 
@@ -595,24 +719,48 @@ class LockEngine:
         hold.lease_deadline = deadline
         self._schedule(deadline, hold)
 
-    def _schedule(self, deadline: float, target: Hold | Session) -> None:
+    def _schedule(self, deadline: float, target: Hold | Session | Waiter) -> None:
         if self._deadlines.add(deadline, target) and self.on_new_deadline is not None:
             self.on_new_deadline()
 
     def next_deadline(self) -> float | None:
-        """When :meth:`advance` next has work (possibly a stale entry), or None."""
+        """When :meth:`advance` next has work (possibly a stale entry), or None;
+        minus infinity while ending sessions wait to be freed."""
+        if self._ending:
+            return -math.inf
         return self._deadlines.next()
 
-    def advance(self, now: float) -> None:
-        """Run every deadline that is due: lease ends, then grace ends."""
+    def advance(self, now: float, budget: int | None = None) -> bool:
+        """Run what is due: queued session frees, then lease, grace and wait ends.
+
+        With a ``budget``, stop after that many deadlines (and one slice of frees),
+        so the caller can let other work run between slices; True means more is due.
+        """
+        self._free_budget = self.free_slice
+        self._free_ending(now)
+        if budget is None:
+            budget = -1
         for deadline, target in self._deadlines.due(now):
             if isinstance(target, Hold):
                 if target.lease_deadline == deadline:  # else renewed or freed: stale
                     self.expired += 1
                     self._free(target, now)
                     self._forget_if_done(target.session)
+            elif isinstance(target, Waiter):
+                if target.state == WAITING and target.deadline == deadline:
+                    self._time_out(target, now)
             elif target.grace_deadline == deadline and not target.connected:
-                self._end_grace(target, now)
+                self._end_grace(target, now, ENDED_GRACE_EXPIRED)
+            budget -= 1
+            if budget == 0:
+                break
+        if budget < 0:  # no budget: finish every queued free as well
+            while self._ending:
+                self._free_budget = self.free_slice
+                self._free_ending(now)
+        self._free_budget = self.free_slice
+        next_due = self.next_deadline()
+        return next_due is not None and next_due <= now
 
     # ----------------------------------------------------------- introspection
 
@@ -633,3 +781,12 @@ class LockEngine:
     def waiting_for(self, key: bytes) -> int:
         """Requests waiting for ``key``, in either table."""
         return len(self._xqueues.get(key, ())) + len(self._squeues.get(key, ()))
+
+
+def _enqueue(queues: dict[bytes, Queue], key: bytes, waiter: Waiter) -> Queue:
+    """Append ``waiter`` to the queue of ``key`` (made on first use); the queue."""
+    queue = queues.get(key)
+    if queue is None:
+        queue = queues[key] = OrderedDict()
+    queue[waiter] = None
+    return queue

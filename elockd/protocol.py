@@ -4,7 +4,9 @@ A :class:`Connection` is one client's view of the lock service. The server feeds
 the lines that :class:`elockd.framing.LineReader` cut from the socket and writes
 back what it returns; nothing here touches a socket or a clock, so every reply of
 PROTOCOL.md is a one-line unit test. Requests that wait return a :class:`Pending`,
-which the server awaits and then asks for its final reply.
+which the server awaits and then asks for its final reply; multi-line replies that
+grow with the tables return a :class:`Streamed`, which the server sends a chunk at a
+time, as fast as the client reads.
 
 One table (:data:`COMMANDS`, built from :mod:`elockd.terse` and :mod:`elockd.word`)
 maps each verb to its handler; the dispatcher counts the verb, then calls it.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from elockd.config import Config
 from elockd.locks import LockEngine, TooManyHolds, Waiter
@@ -45,9 +47,12 @@ WORD_UNAVAILABLE = b"409 Backend Unavailable\r\n"
 class Pending:
     """A request that waits for a grant, at most ``timeout`` seconds.
 
-    The server points ``waiter.wake`` at an event, waits for it or the timeout, then
-    calls :meth:`finish` for the reply. Finishing an ungranted waiter cancels it and
-    counts a timeout, so a waiter that gave up can never be granted later.
+    The engine keeps the deadline (so 10,000 waits that end together are timed out
+    a slice at a time, not all in one scheduler batch) and calls ``waiter.wake`` on
+    the grant or the timeout; the server points that at an event, waits for it, then
+    calls :meth:`finish` for the reply. Finishing a waiter that still waits (its
+    client went away) cancels it and counts a timeout, so a waiter that gave up can
+    never be granted later.
     """
 
     __slots__ = ("connection", "on_granted", "on_refused", "timeout", "waiter")
@@ -67,10 +72,29 @@ class Pending:
         self.on_refused = on_refused
 
     def finish(self, now: float) -> bytes:
-        if self.waiter.granted:
+        waiter = self.waiter
+        if waiter.granted:
             return self.on_granted()
         engine = self.connection.service.engine
-        return self.on_refused(engine.cancel(self.waiter, now, timed_out=True))
+        if waiter.waiting:
+            return self.on_refused(engine.cancel(waiter, now, timed_out=True))
+        return self.on_refused(engine.blocked_keys(waiter))  # the engine timed it out
+
+
+class Streamed:
+    """A reply that can outgrow any buffer (``d`` over a million holds): ``chunks``
+    yields it a piece at a time, and the server asks for the next piece only once the
+    last one was sent, so what one connection holds stays bounded however big the
+    tables are and however slowly the client reads."""
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.chunks = chunks
+
+    def whole(self) -> bytes:
+        """Every chunk joined: for tests and for callers that need it in one piece."""
+        return b"".join(self.chunks)
 
 
 class Deferred:
@@ -94,7 +118,7 @@ class Deferred:
             return WORD_TOO_MANY_HOLDS if self.word else TERSE_TOO_MANY_HOLDS
 
 
-Reply = bytes | Pending | Deferred
+Reply = bytes | Pending | Deferred | Streamed
 Handler = Callable[["Connection", bytes, float], Reply]
 
 
@@ -130,6 +154,8 @@ class Service:
         # no release pays for the hook.
         self.timings = Timings()
         self.connections: set[Connection] = set()
+        # Connections that set a name with `iam`, oldest naming first (for `who`).
+        self.named: dict[Connection, None] = {}
         self.auth_token = auth_token
         # Before `auth` succeeds a connection dispatches through this table, where
         # every verb but `auth` is refused: no per-request check on the hot path.
@@ -232,6 +258,7 @@ class Connection:
         """The connection is gone: its session follows its grace rule."""
         if self in self.service.connections:
             self.service.connections.discard(self)
+            self.service.named.pop(self, None)
             self.service.counters.connections -= 1
             self.service.backend.disconnect(self.session, now)
 

@@ -4,7 +4,14 @@ Nothing here decides anything about locks or replies: a connection task reads
 bytes, hands every complete line of the chunk to its sans-IO
 :class:`~elockd.protocol.Connection`, and sends all the replies of the chunk in one
 write. Only a request that waits breaks that rhythm: replies before it are flushed,
-then the task waits for the grant, the timeout, or the peer going away.
+then the task waits for the grant, the timeout, or the peer going away. A reply that
+grows with the tables (a dump) is sent a chunk at a time, each made only once the one
+before went out.
+
+Work a crowd can trigger at once (10,000 waits timing out together, 10,000
+connections dropping with a million locks) is done by the engine in slices that the
+:class:`DeadlineTimer` runs with a checkpoint between them, so other clients are
+served in between (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import trio
 
 from elockd.config import Config
 from elockd.framing import LineReader
-from elockd.locks import LockEngine
+from elockd.locks import ENDED_SESSION_LIMIT, LockEngine
 from elockd.metrics import serve_metrics
-from elockd.protocol import Connection, Deferred, Pending, Service
+from elockd.protocol import Connection, Deferred, Pending, Service, Streamed
+from elockd.sessions import Session
 from elockd.stats import Backend
 from elockd.transport import SocketTransport, StreamTransport, Transport
 
@@ -42,6 +50,10 @@ LISTEN_BACKLOG = 4096
 #: all their replies before one write would cost gigabytes and stall every other
 #: connection; flushing (and yielding) at this size bounds both.
 REPLY_FLUSH_BYTES = 65536
+#: Deadlines (lease ends, grace ends, waits timing out) the timer runs before it lets
+#: other tasks run: each timed-out wait wakes its connection's task, and trio runs
+#: every task woken in one batch before it looks at the network again.
+DEADLINE_SLICE = 256
 
 
 def peer_name(address: object) -> bytes:
@@ -91,6 +103,11 @@ async def _serve_requests(
                 if replies:
                     await transport.send(b"".join(replies))
                     replies.clear()
+                    buffered = 0
+                if isinstance(reply, Streamed):
+                    await send_streamed(reply, transport)
+                    now = trio.current_time()
+                    continue
                 if isinstance(reply, Pending):
                     final = await wait_for_grant(reply, transport)
                 else:
@@ -116,12 +133,22 @@ async def _serve_requests(
             await transport.send(b"".join(replies))
 
 
+async def send_streamed(reply: Streamed, transport: Transport) -> None:
+    """Send a streamed reply a chunk at a time: the next chunk is made only after the
+    last one went out (a client that does not read stops the dump, not the server),
+    and other connections run between chunks."""
+    for chunk in reply.chunks:
+        await transport.send(chunk)
+        await trio.lowlevel.checkpoint()
+
+
 async def wait_for_grant(pending: Pending, transport: Transport) -> bytes | None:
-    """Wait until the request is granted or times out: its reply. None when the
-    peer disconnected first (its session's disconnect then cancels the wait)."""
+    """Wait until the request is granted or times out (the engine keeps the deadline
+    and wakes us either way): its reply. None when the peer disconnected first (its
+    session's disconnect then cancels the wait)."""
     waiter = pending.waiter
     peer_gone = False
-    if not waiter.granted:
+    if waiter.waiting:
         granted = trio.Event()
         waiter.wake = granted.set
 
@@ -133,8 +160,7 @@ async def wait_for_grant(pending: Pending, transport: Transport) -> bytes | None
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_peer)
-            with trio.move_on_after(pending.timeout):
-                await granted.wait()
+            await granted.wait()
             nursery.cancel_scope.cancel()
         waiter.wake = None
     if peer_gone and not waiter.granted:
@@ -168,7 +194,9 @@ class DeadlineTimer:
     """One task that runs the engine's lease and grace deadlines exactly on time.
 
     It sleeps until the engine's earliest deadline; the engine pokes it when a new
-    deadline comes before that, so there is no polling and no scan.
+    deadline comes before that (or when ending sessions wait to be freed), so there
+    is no polling and no scan. It runs due work in slices of :data:`DEADLINE_SLICE`
+    with a checkpoint between them.
     """
 
     def __init__(self, engine: Backend) -> None:
@@ -185,7 +213,8 @@ class DeadlineTimer:
             deadline = self.engine.next_deadline()
             with trio.move_on_at(math.inf if deadline is None else deadline):
                 await self._changed.wait()
-            self.engine.advance(trio.current_time())
+            while self.engine.advance(trio.current_time(), DEADLINE_SLICE):
+                await trio.lowlevel.checkpoint()
 
 
 def open_tcp_sockets(host: str, port: int) -> list[socket.socket]:
@@ -366,12 +395,30 @@ def make_service(config: Config) -> Service:
     wall clock in nanoseconds, so they keep increasing across restarts as long as
     the clock does not step back and fewer than 10^9 tokens a second are issued."""
     engine = LockEngine(
-        first_token=time.time_ns(), max_waiters=config.max_waiters, max_holds=config.max_holds
+        first_token=time.time_ns(),
+        max_waiters=config.max_waiters,
+        max_holds=config.max_holds,
+        max_sessions=config.max_sessions,
     )
+    engine.on_session_end = log_session_end
     token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
     if config.etcd:
         return make_cluster_service(config, engine, token)
     return Service(config, engine, auth_token=token)
+
+
+def log_session_end(session: Session, exclusive: int, shared: int, why: str) -> None:
+    """The audit trail of orphans: who lost which locks, and why."""
+    level = logging.WARNING if why == ENDED_SESSION_LIMIT else logging.INFO
+    log.log(
+        level,
+        "session of %s (%s) ended holding locks: %d exclusive and %d shared freed (%s)",
+        session.peer.decode(errors="backslashreplace"),
+        "unnamed" if session.name is None else session.name.decode(errors="backslashreplace"),
+        exclusive,
+        shared,
+        why,
+    )
 
 
 MAX_CLUSTER_KEYS = 64

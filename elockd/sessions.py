@@ -46,6 +46,7 @@ class Session:
 
     __slots__ = (
         "connected",
+        "ending",
         "exclusive",
         "grace",
         "grace_deadline",
@@ -62,6 +63,9 @@ class Session:
         self.peer = peer
         self.name: bytes | None = None
         self.connected = True
+        # Its connection and grace are over, and its holds wait to be freed in a
+        # later slice (elockd.locks: bounded slices); no conn_id may take it over.
+        self.ending = False
         self.grace = 0.0
         self.grace_deadline: float | None = None
         self.exclusive: dict[bytes, Hold] = {}

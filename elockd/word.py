@@ -102,7 +102,7 @@ def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
     if not wait:
         return ACQUIRED if conn.engine.acquire(conn.session, key, now, ttl) else UNAVAILABLE
     try:
-        waiter = conn.engine.wait_for(conn.session, key, now, ttl)
+        waiter = conn.engine.wait_for(conn.session, key, now, ttl, timeout=wait)
     except QueueFull:
         return TOO_MANY_WAITERS
     if waiter is None:
@@ -183,7 +183,7 @@ def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
         granted, count = engine.acquire_shared(conn.session, key, now, limit=limit, ttl=ttl)
         return b"%d %d\r\n" % (200 if granted else 409, count)
     try:
-        result = engine.wait_shared(conn.session, key, now, limit=limit, ttl=ttl)
+        result = engine.wait_shared(conn.session, key, now, limit=limit, ttl=ttl, timeout=wait)
     except QueueFull:
         return TOO_MANY_WAITERS
     if isinstance(result, int):
@@ -223,7 +223,9 @@ def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
     if len(keys) > conn.service.config.max_keys:
         return TOO_MANY_KEYS
     try:
-        result = conn.engine.request_many(conn.session, keys, now, ttl=ttl, wait=wait > 0)
+        result = conn.engine.request_many(
+            conn.session, keys, now, ttl=ttl, wait=wait > 0, timeout=wait
+        )
     except QueueFull:
         return TOO_MANY_WAITERS
     if result is None:

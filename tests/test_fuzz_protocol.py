@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from elockd.config import Config
 from elockd.framing import LineReader
 from elockd.locks import WAITING, LockEngine
-from elockd.protocol import LINE_TOO_LONG, Connection, Pending, Service
+from elockd.protocol import LINE_TOO_LONG, Connection, Pending, Service, Streamed
 
 MULTI_LINE_VERBS = {b"q", b"d", b"sd", b"dump", b"who", b"stats"}
 VERBS = [
@@ -178,8 +178,10 @@ class Harness:
             client.held_before = set(session.exclusive), set(session.shared)
             client.expired_before = self.service.engine.expired
             reply = client.conn.handle(line, self.now)
+            if isinstance(reply, Streamed):
+                reply = reply.whole()
             if isinstance(reply, Pending):
-                if not reply.waiter.granted:
+                if reply.waiter.waiting:
                     client.pending, client.pending_line = reply, line
                     client.pending_until = self.now + reply.timeout
                     continue
@@ -198,7 +200,7 @@ class Harness:
                 pending = client.pending
                 if pending is None or client.closed:
                     continue
-                if pending.waiter.granted or self.now >= client.pending_until:
+                if not pending.waiter.waiting or self.now >= client.pending_until:
                     client.pending = None
                     reply = pending.finish(self.now)
                     self.check_reply(client, client.pending_line, reply, waited=True)
@@ -308,7 +310,9 @@ class Harness:
             assert all(w.state == WAITING for w in queue)
         for key, queue in engine._squeues.items():
             assert queue and all(w.state == WAITING for w in queue)
-            assert engine.shared_count(key) >= queue[0].limit, "a head waiter that fits waits"
+            assert (
+                engine.shared_count(key) >= next(iter(queue)).limit
+            ), "a head waiter that fits waits"
         live = sum(not c.closed for c in self.clients)
         assert self.service.counters.connections == live
         assert len(self.service.connections) == live

@@ -6,13 +6,19 @@ import pytest
 
 from elockd.config import Config
 from elockd.locks import LockEngine
-from elockd.protocol import Connection, Service
+from elockd.protocol import Connection, Reply, Service, Streamed
 
 ELOCKD, GLOCKD = "elockd", "glockd"
 
 
 def make_service(style: str = ELOCKD, **settings: int) -> Service:
     return Service(Config(replies=style, **settings), LockEngine())  # type: ignore[arg-type]
+
+
+def whole(reply: Reply) -> bytes:
+    """A streamed reply (dumps, `who`) joined, as the client receives it."""
+    assert isinstance(reply, Streamed), reply
+    return reply.whole()
 
 
 def pair(style: str = ELOCKD) -> tuple[Connection, Connection]:
@@ -199,13 +205,13 @@ def test_dump_lists_holders_by_owner() -> None:
     b.handle(b"iam worker-7", 0.0)
     a.handle(b"sg s", 0.0)
     b.handle(b"sg s", 0.0)
-    assert a.handle(b"d", 0.0) == b"x: 10.0.0.1:1111\r\ny: worker-7\r\nEND\r\n"
-    assert a.handle(b"d y", 0.0) == b"y: worker-7\r\nEND\r\n"
-    assert a.handle(b"d nothing", 0.0) == b"END\r\n"
-    assert a.handle(b"sd s", 0.0) == b"s: 10.0.0.1:1111\r\ns: worker-7\r\nEND\r\n"
-    assert a.handle(b"dump", 0.0) == a.handle(b"d", 0.0)
-    assert a.handle(b"dump shared", 0.0) == a.handle(b"sd", 0.0)
-    assert a.handle(b"dump y", 0.0) == a.handle(b"d", 0.0)  # no keyed dump: all keys
+    assert whole(a.handle(b"d", 0.0)) == b"x: 10.0.0.1:1111\r\ny: worker-7\r\nEND\r\n"
+    assert whole(a.handle(b"d y", 0.0)) == b"y: worker-7\r\nEND\r\n"
+    assert whole(a.handle(b"d nothing", 0.0)) == b"END\r\n"
+    assert whole(a.handle(b"sd s", 0.0)) == b"s: 10.0.0.1:1111\r\ns: worker-7\r\nEND\r\n"
+    assert whole(a.handle(b"dump", 0.0)) == whole(a.handle(b"d", 0.0))
+    assert whole(a.handle(b"dump shared", 0.0)) == whole(a.handle(b"sd", 0.0))
+    assert whole(a.handle(b"dump y", 0.0)) == whole(a.handle(b"d", 0.0))  # no keyed dump: all keys
 
 
 def test_iam_who_me() -> None:
@@ -214,15 +220,12 @@ def test_iam_who_me() -> None:
     assert a.handle(b"iam  cron  job ", 0.0) == b"1 ok\r\n"
     assert a.handle(b"me", 0.0) == b"1 10.0.0.1:1111 cron job\r\n"
     assert b.handle(b"iam web", 0.0) == b"1 ok\r\n"
-    listing = b.handle(b"who", 0.0)
-    assert isinstance(listing, bytes)
-    assert sorted(listing.split(b"\r\n")[:-2]) == [
-        b"10.0.0.1:1111: cron job",
-        b"10.0.0.2:2222: web",
-    ]
-    assert listing.endswith(b"END\r\n")
-    assert b.handle(b"who web", 0.0) == b"10.0.0.2:2222: web\r\nEND\r\n"
-    assert b.handle(b"who nobody", 0.0) == b"END\r\n"
+    listing = whole(b.handle(b"who", 0.0))
+    assert listing == b"10.0.0.1:1111: cron job\r\n10.0.0.2:2222: web\r\nEND\r\n"  # naming order
+    assert a.handle(b"iam cron", 0.0) == b"1 ok\r\n"  # naming again moves it last
+    assert whole(b.handle(b"who", 0.0)) == b"10.0.0.2:2222: web\r\n10.0.0.1:1111: cron\r\nEND\r\n"
+    assert whole(b.handle(b"who web", 0.0)) == b"10.0.0.2:2222: web\r\nEND\r\n"
+    assert whole(b.handle(b"who nobody", 0.0)) == b"END\r\n"
     assert a.handle(b"iam", 0.0) == b"1 ok\r\n"  # no name: cleared
     assert a.handle(b"me", 0.0) == b"1 10.0.0.1:1111 10.0.0.1:1111\r\n"
 
@@ -233,4 +236,4 @@ def test_only_one_cr_before_the_newline_is_dropped() -> None:
     assert a.handle(b"g a\r\r", 0.0) == b"1 Got Lock\r\n"  # LineReader gives lines without \n
     assert b.handle(b"i a\r", 0.0) == b"0 Not Locked\r\n"  # that is key "a"
     assert b.handle(b"i a\r\r", 0.0) == b"1 Locked\r\n"  # and this "a\r"
-    assert a.handle(b"d", 0.0) == b"a\r: 10.0.0.1:1111\r\nEND\r\n"
+    assert whole(a.handle(b"d", 0.0)) == b"a\r: 10.0.0.1:1111\r\nEND\r\n"

@@ -1129,14 +1129,16 @@ class ClusterLockSpace:
     def next_deadline(self) -> float | None:
         return self._deadlines.next()
 
-    def advance(self, now: float) -> None:
-        """Run every lease and grace end due by ``now`` (the server's timer task)."""
+    def advance(self, now: float, budget: int | None = None) -> bool:
+        """Run every lease and grace end due by ``now`` (the server's timer task).
+        Each only starts an etcd call here, so there is no slice to bound."""
         for deadline, target in self._deadlines.due(now):
             if isinstance(target, ClusterSession):
                 if target.grace_deadline == deadline and not target.connected:
                     self._end_grace(target, now)
             elif target.lease_deadline == deadline:
                 self._expire(target, now)
+        return False
 
     def _expire(self, hold: ClusterHold, now: float) -> None:
         """A ``ttl=`` lease ran out: this node frees it (guarded by its revision)."""
