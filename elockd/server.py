@@ -35,6 +35,7 @@ import trio
 from elockd.config import Config
 from elockd.framing import LineReader
 from elockd.locks import ENDED_SESSION_LIMIT, LockEngine
+from elockd.logthrottle import LogThrottle
 from elockd.metrics import serve_metrics
 from elockd.protocol import Connection, Deferred, Pending, Service, Streamed
 from elockd.sessions import Session
@@ -407,14 +408,29 @@ def make_service(config: Config) -> Service:
     return Service(config, engine, auth_token=token)
 
 
+#: Sessions ended at --max-sessions come in floods when a client churns: one warning
+#: per 10 s, with a count.
+session_limit_warning = LogThrottle(log, logging.WARNING)
+
+
 def log_session_end(session: Session, exclusive: int, shared: int, why: str) -> None:
     """The audit trail of orphans: who lost which locks, and why."""
-    level = logging.WARNING if why == ENDED_SESSION_LIMIT else logging.INFO
-    log.log(
-        level,
+    peer = session.peer.decode(errors="backslashreplace")
+    name = "unnamed" if session.name is None else session.name.decode(errors="backslashreplace")
+    if why == ENDED_SESSION_LIMIT:
+        session_limit_warning(
+            "--max-sessions reached: session of %s (%s) ended at once, "
+            "%d exclusive and %d shared holds freed",
+            peer,
+            name,
+            exclusive,
+            shared,
+        )
+        return
+    log.info(
         "session of %s (%s) ended holding locks: %d exclusive and %d shared freed (%s)",
-        session.peer.decode(errors="backslashreplace"),
-        "unnamed" if session.name is None else session.name.decode(errors="backslashreplace"),
+        peer,
+        name,
         exclusive,
         shared,
         why,
