@@ -104,12 +104,18 @@ class Deferred:
 
     __slots__ = ("run", "waits", "word")
 
-    def __init__(self, run: Callable[[], Awaitable[bytes]], *, word: bool, waits: bool = False):
+    def __init__(
+        self,
+        run: Callable[[], Awaitable[bytes | Streamed]],
+        *,
+        word: bool,
+        waits: bool = False,
+    ):
         self.run = run
         self.word = word
         self.waits = waits
 
-    async def settle(self) -> bytes:
+    async def settle(self) -> bytes | Streamed:
         try:
             return await self.run()
         except BackendUnavailable:

@@ -109,6 +109,7 @@ async def _serve_requests(
                     await send_streamed(reply, transport)
                     now = trio.current_time()
                     continue
+                final: bytes | Streamed | None
                 if isinstance(reply, Pending):
                     final = await wait_for_grant(reply, transport)
                 else:
@@ -116,6 +117,10 @@ async def _serve_requests(
                     final = await settle_deferred(reply, transport)
                 if final is None:  # the peer left while waiting
                     return
+                if isinstance(final, Streamed):
+                    await send_streamed(final, transport)
+                    now = trio.current_time()
+                    continue
                 reply = final
                 now = trio.current_time()
             replies.append(reply)
@@ -169,12 +174,12 @@ async def wait_for_grant(pending: Pending, transport: Transport) -> bytes | None
     return pending.finish(trio.current_time())
 
 
-async def settle_deferred(deferred: Deferred, transport: Transport) -> bytes | None:
+async def settle_deferred(deferred: Deferred, transport: Transport) -> bytes | Streamed | None:
     """The reply of a request the backend answers with I/O. A request that may wait
     is abandoned (None) when the peer goes away, as :func:`wait_for_grant` does."""
     if not deferred.waits:
         return await deferred.settle()
-    reply: bytes | None = None
+    reply: bytes | Streamed | None = None
 
     async def settle() -> None:
         nonlocal reply

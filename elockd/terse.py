@@ -114,13 +114,6 @@ def _dump_shared(engine: LockEngine, key: bytes | None) -> Streamed:
     return stream_holds(list(engine.shared) if key is None else [key], engine.shared_holds)
 
 
-def render_pairs(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
-    """``K: OWNER`` lines for (key, owner) pairs, then END."""
-    lines = [b"%s: %s\r\n" % pair for pair in pairs]
-    lines.append(END)
-    return b"".join(lines)
-
-
 def cmd_d(conn: Connection, rest: bytes, now: float) -> Streamed:
     return _dump_exclusive(conn.engine, terse_key(rest) or None)
 

@@ -19,8 +19,8 @@ from elockd.cluster.layout import EXCLUSIVE, SHARED, parse_entry_value
 from elockd.cluster.space import ClusterLockSpace, ClusterSession
 from elockd.commands import COMMANDS
 from elockd.locks import QueueFull
-from elockd.protocol import Deferred
-from elockd.terse import render_pairs, terse_key
+from elockd.protocol import Deferred, Streamed
+from elockd.terse import chunked, terse_key
 from elockd.word import (
     ACQUIRED,
     NO_OPTIONS,
@@ -54,7 +54,7 @@ def _session(conn: Connection) -> ClusterSession:
     return session
 
 
-def _terse(run: Callable[[], Awaitable[bytes]]) -> Deferred:
+def _terse(run: Callable[[], Awaitable[bytes | Streamed]]) -> Deferred:
     return Deferred(run, word=False)
 
 
@@ -97,7 +97,7 @@ def cmd_i(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
 
     async def run() -> bytes:
-        held = await _space(conn).holders(EXCLUSIVE, key)
+        held = next(await _space(conn).holders(EXCLUSIVE, key), None)
         return conn.replies.locked(key) if held else conn.replies.not_locked(key)
 
     return _terse(run)
@@ -129,7 +129,7 @@ def cmd_si(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
 
     async def run() -> bytes:
-        count = len(await _space(conn).holders(SHARED, key))
+        count = sum(1 for _ in await _space(conn).holders(SHARED, key))
         if count:
             return conn.replies.shared_locked(count, key)
         return conn.replies.shared_not_locked(key)
@@ -138,8 +138,9 @@ def cmd_si(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def _dump(conn: Connection, kind: bytes, key: bytes | None) -> Deferred:
-    async def run() -> bytes:
-        return render_pairs(await _space(conn).holders(kind, key))
+    async def run() -> Streamed:
+        pairs = await _space(conn).holders(kind, key)
+        return Streamed(chunked(b"%s: %s\r\n" % pair for pair in pairs))
 
     return _terse(run)
 

@@ -23,7 +23,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -1090,13 +1090,19 @@ class ClusterLockSpace:
         queues = await self.queue(SHARED, key)
         return _granted_count(queues[0][1]) if queues else 0
 
-    async def holders(self, kind: bytes, key: bytes | None) -> list[tuple[bytes, bytes]]:
-        """(lock name, owner) of every hold in a table, or of one key."""
-        holds = []
-        for name, kvs in await self.queue(kind, key):
-            for kv in _granted_kvs(kvs) if kind == SHARED else kvs[:1]:
-                holds.append((name, parse_entry_value(kv.value).owner))
-        return holds
+    async def holders(self, kind: bytes, key: bytes | None) -> Iterator[tuple[bytes, bytes]]:
+        """(lock name, owner) of every hold in a table, or of one key: read from a
+        snapshot of the queues as the caller goes (a dump streams; each key's holders
+        are as they are when its turn comes)."""
+        queues = await self.queue(kind, key)
+
+        def pairs() -> Iterator[tuple[bytes, bytes]]:
+            for name, kvs in queues:
+                held = list(_granted_kvs(kvs)) if kind == SHARED else kvs[:1]
+                for kv in held:
+                    yield name, parse_entry_value(kv.value).owner
+
+        return pairs()
 
     async def describe(self, key: bytes) -> tuple[KeyValue | None, int, int]:
         """``info``: the exclusive head entry, shared holders, requests waiting."""
