@@ -18,7 +18,8 @@ Tables
     * one heap of deadlines (lease ends, grace ends, wait ends). Entries are never
       removed from the middle; a stale entry (the lease was renewed or freed) is
       recognised when it reaches the top and dropped, so renewing costs O(log n) and
-      nothing scans.
+      nothing scans. The heap compacts itself once it doubles, so a renew flood
+      leaves it at about twice the live deadlines (:mod:`elockd.deadlines`).
 
 Bounded slices of work
     Whatever a crowd can trigger at once is done in slices, so that no other client
@@ -180,7 +181,7 @@ class LockEngine:
         self.shared: dict[bytes, Hold | dict[Session, Hold]] = {}
         self._xqueues: dict[bytes, Queue] = {}
         self._squeues: dict[bytes, Queue] = {}
-        self._deadlines: Deadlines[Hold | Session | Waiter] = Deadlines()
+        self._deadlines: Deadlines[Hold | Session | Waiter] = Deadlines(_carries)
         # Sessions whose holds wait to be freed in a later slice, and how many holds
         # this slice may still free inline (reset by advance()).
         self._ending: deque[tuple[Session, str]] = deque()
@@ -713,6 +714,8 @@ class LockEngine:
     # ------------------------------------------------------------------ leases
 
     def _set_lease(self, hold: Hold, deadline: float) -> None:
+        if hold.lease_deadline == deadline:
+            return  # its entry is in the heap already (renews pipelined in one tick)
         if hold.lease_deadline is None:
             self.leases += 1
             hold.session.leases += 1
@@ -740,16 +743,14 @@ class LockEngine:
         self._free_ending(now)
         if budget is None:
             budget = -1
-        for deadline, target in self._deadlines.due(now):
+        for _, target in self._deadlines.due(now):
             if isinstance(target, Hold):
-                if target.lease_deadline == deadline:  # else renewed or freed: stale
-                    self.expired += 1
-                    self._free(target, now)
-                    self._forget_if_done(target.session)
+                self.expired += 1
+                self._free(target, now)
+                self._forget_if_done(target.session)
             elif isinstance(target, Waiter):
-                if target.state == WAITING and target.deadline == deadline:
-                    self._time_out(target, now)
-            elif target.grace_deadline == deadline and not target.connected:
+                self._time_out(target, now)
+            else:
                 self._end_grace(target, now, ENDED_GRACE_EXPIRED)
             budget -= 1
             if budget == 0:
@@ -781,6 +782,17 @@ class LockEngine:
     def waiting_for(self, key: bytes) -> int:
         """Requests waiting for ``key``, in either table."""
         return len(self._xqueues.get(key, ())) + len(self._squeues.get(key, ()))
+
+
+def _carries(deadline: float, target: Hold | Session | Waiter) -> bool:
+    """Whether a deadline-heap entry is current: its target still ends at
+    ``deadline`` (a renewed or freed lease, a granted or cancelled wait, a session
+    taken over or ended leaves a stale entry behind)."""
+    if isinstance(target, Hold):
+        return target.lease_deadline == deadline
+    if isinstance(target, Waiter):
+        return target.state == WAITING and target.deadline == deadline
+    return target.grace_deadline == deadline and not target.connected
 
 
 def _enqueue(queues: dict[bytes, Queue], key: bytes, waiter: Waiter) -> Queue:

@@ -146,7 +146,7 @@ class ClusterLockSpace:
         self.mirror = QueueMirror(self.layout, on_other=self._record_changed)
         self.token_floor = 0
         self.sessions: dict[str, ClusterSession] = {}
-        self._deadlines: Deadlines[ClusterHold | ClusterSession] = Deadlines()
+        self._deadlines: Deadlines[ClusterHold | ClusterSession] = Deadlines(_carries)
         self._nursery: trio.Nursery | None = None
         self._node_lease = 0
         self._by_lease: dict[int, ClusterSession] = {}
@@ -1123,6 +1123,8 @@ class ClusterLockSpace:
     # ----------------------------------------------------------------- timers
 
     def _set_lease(self, hold: ClusterHold, deadline: float) -> None:
+        if hold.lease_deadline == deadline:
+            return  # its entry is in the heap already (renews pipelined in one tick)
         if hold.lease_deadline is None:
             self.leases += 1
         hold.lease_deadline = deadline
@@ -1138,11 +1140,10 @@ class ClusterLockSpace:
     def advance(self, now: float, budget: int | None = None) -> bool:
         """Run every lease and grace end due by ``now`` (the server's timer task).
         Each only starts an etcd call here, so there is no slice to bound."""
-        for deadline, target in self._deadlines.due(now):
+        for _, target in self._deadlines.due(now):
             if isinstance(target, ClusterSession):
-                if target.grace_deadline == deadline and not target.connected:
-                    self._end_grace(target, now)
-            elif target.lease_deadline == deadline:
+                self._end_grace(target, now)
+            else:
                 self._expire(target, now)
         return False
 
@@ -1174,6 +1175,13 @@ class ClusterLockSpace:
             else:
                 self._unavailable(f"etcd refused a request: {error.message}")
             raise BackendUnavailable(error.message) from error
+
+
+def _carries(deadline: float, target: ClusterHold | ClusterSession) -> bool:
+    """Whether a deadline-heap entry is current (its lease or grace still ends then)."""
+    if isinstance(target, ClusterSession):
+        return target.grace_deadline == deadline and not target.connected
+    return target.lease_deadline == deadline
 
 
 def _shared_rule_input(kvs: list[KeyValue]) -> list[tuple[int, int, bool]]:
