@@ -8,6 +8,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
@@ -31,9 +32,17 @@ _NUMBER = re.compile(rb"(?:\d+(?:\.\d*)?|\.\d+)\Z")
 class Args:
     """A word request's tokens, split into positional arguments and options."""
 
-    __slots__ = ("options", "positional")
+    __slots__ = ("max_seconds", "options", "positional")
 
-    def __init__(self, rest: bytes, allowed: frozenset[bytes], max_positional: int) -> None:
+    def __init__(
+        self,
+        rest: bytes,
+        allowed: frozenset[bytes],
+        max_positional: int,
+        max_seconds: float = math.inf,
+    ) -> None:
+        """``max_seconds`` bounds every duration the request gives (``--max-ttl``)."""
+        self.max_seconds = max_seconds
         tokens = [t for t in rest.replace(b"\t", b" ").split(b" ") if t]
         self.positional: list[bytes] = []
         self.options: dict[bytes, bytes] = {}
@@ -61,24 +70,37 @@ class Args:
         """Positional ``index`` as non-negative seconds, or None when absent."""
         if len(self.positional) <= index:
             return None
-        return parse_number(self.positional[index], what)
+        return parse_seconds(self.positional[index], what, self.max_seconds)
 
     def option_seconds(self, name: bytes) -> float | None:
         """A ``name=S`` option; it must be above zero (a 0 s lease is no lease)."""
         value = self.options.get(name)
         if value is None:
             return None
-        seconds = parse_number(value, name.decode())
+        seconds = parse_seconds(value, name.decode(), self.max_seconds)
         if seconds <= 0:
             raise BadRequest(f"{name.decode()} must be above 0")
         return seconds
 
 
 def parse_number(token: bytes, what: str) -> float:
-    """Decimal, non-negative, finite: ``2``, ``2.5``, ``.5``. No signs or exponents."""
+    """Decimal, non-negative, finite: ``2``, ``2.5``, ``.5``. No signs, exponents,
+    ``inf`` or ``nan``; 400 digits are a float too large to be finite: refused."""
     if not _NUMBER.match(token):
         raise BadRequest(f"{what} must be a non-negative number")
-    return float(token)
+    value = float(token)
+    if value == math.inf:
+        raise BadRequest(f"{what} is too large")
+    return value
+
+
+def parse_seconds(token: bytes, what: str, most: float) -> float:
+    """A duration in seconds, at most ``most`` (``--max-ttl``): a deadline a day
+    away is a lease; one a million years away is a session nobody will ever free."""
+    value = parse_number(token, what)
+    if value > most:
+        raise BadRequest(f"{what} above --max-ttl ({most:g} s)")
+    return value
 
 
 TTL_OPTION = frozenset({b"ttl"})
@@ -91,14 +113,14 @@ def _wait_reply(
     return Pending(conn, waiter, wait, lambda: granted, lambda _blocked: refused)
 
 
-def lock_args(rest: bytes) -> tuple[bytes, float, float | None]:
+def lock_args(rest: bytes, max_seconds: float) -> tuple[bytes, float, float | None]:
     """``lock K [WAIT] [ttl=S]``: key, seconds to wait (0: try once), lease."""
-    args = Args(rest, TTL_OPTION, 2)
+    args = Args(rest, TTL_OPTION, 2, max_seconds)
     return args.key(), args.seconds(1, "WAIT") or 0.0, args.option_seconds(b"ttl")
 
 
 def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
-    key, wait, ttl = lock_args(rest)
+    key, wait, ttl = lock_args(rest, conn.service.config.max_ttl)
     if not wait:
         return ACQUIRED if conn.engine.acquire(conn.session, key, now, ttl) else UNAVAILABLE
     try:
@@ -135,10 +157,12 @@ def cmd_conn_id(conn: Connection, rest: bytes, now: float) -> Reply:
 
 def cmd_set_timeout(conn: Connection, rest: bytes, now: float) -> Reply:
     args = Args(rest, NO_OPTIONS, 1)
-    milliseconds = args.seconds(0, "MS")
-    if milliseconds is None:
+    if not args.positional:
         raise BadRequest("missing MS")
-    conn.session.grace = milliseconds / 1000
+    grace = parse_number(args.positional[0], "MS") / 1000
+    if grace > conn.service.config.max_ttl:
+        raise BadRequest(f"MS above --max-ttl ({conn.service.config.max_ttl:g} s)")
+    conn.session.grace = grace
     return b"200 timeout set\r\n"
 
 
@@ -166,10 +190,12 @@ def parse_limit(args: Args) -> int | None:
 SHARED_OPTIONS = frozenset({b"limit", b"ttl"})
 
 
-def lock_shared_args(rest: bytes) -> tuple[bytes, float, int | None, float | None]:
+def lock_shared_args(
+    rest: bytes, max_seconds: float
+) -> tuple[bytes, float, int | None, float | None]:
     """``lock_shared K [WAIT] [limit=N] [ttl=S]``: key, wait, limit, lease. Without a
     limit it never waits, so the wait is 0 then."""
-    args = Args(rest, SHARED_OPTIONS, 2)
+    args = Args(rest, SHARED_OPTIONS, 2, max_seconds)
     key = args.key()
     wait = args.seconds(1, "WAIT") or 0.0
     limit = parse_limit(args)
@@ -177,7 +203,7 @@ def lock_shared_args(rest: bytes) -> tuple[bytes, float, int | None, float | Non
 
 
 def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
-    key, wait, limit, ttl = lock_shared_args(rest)
+    key, wait, limit, ttl = lock_shared_args(rest, conn.service.config.max_ttl)
     engine = conn.engine
     if not wait or limit is None:
         granted, count = engine.acquire_shared(conn.session, key, now, limit=limit, ttl=ttl)
@@ -207,19 +233,19 @@ def cmd_unlock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
 MLOCK_OPTIONS = frozenset({b"wait", b"ttl"})
 
 
-def mlock_args(rest: bytes) -> tuple[list[bytes], float, float | None]:
+def mlock_args(rest: bytes, max_seconds: float) -> tuple[list[bytes], float, float | None]:
     """``mlock K1 K2 ... [wait=S] [ttl=S]``: the distinct keys in order, wait, lease."""
-    args = Args(rest, MLOCK_OPTIONS, 1 << 30)
+    args = Args(rest, MLOCK_OPTIONS, 1 << 30, max_seconds)
     keys = list(dict.fromkeys(args.positional))
     if not keys:
         raise BadRequest("missing key")
     wait_option = args.options.get(b"wait")
-    wait = parse_number(wait_option, "wait") if wait_option is not None else 0.0
+    wait = parse_seconds(wait_option, "wait", max_seconds) if wait_option is not None else 0.0
     return keys, wait, args.option_seconds(b"ttl")
 
 
 def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
-    keys, wait, ttl = mlock_args(rest)
+    keys, wait, ttl = mlock_args(rest, conn.service.config.max_ttl)
     if len(keys) > conn.service.config.max_keys:
         return TOO_MANY_KEYS
     try:
@@ -241,9 +267,9 @@ def unavailable_keys(keys: list[bytes]) -> bytes:
     return b"409 Unavailable %s\r\n" % b" ".join(keys)
 
 
-def renew_args(rest: bytes) -> tuple[bytes, float]:
+def renew_args(rest: bytes, max_seconds: float) -> tuple[bytes, float]:
     """``renew K ttl=S``: the key and the seconds (both backends parse it so)."""
-    args = Args(rest, TTL_OPTION, 1)
+    args = Args(rest, TTL_OPTION, 1, max_seconds)
     key = args.key()
     ttl = args.option_seconds(b"ttl")
     if ttl is None:
@@ -252,7 +278,7 @@ def renew_args(rest: bytes) -> tuple[bytes, float]:
 
 
 def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
-    key, ttl = renew_args(rest)
+    key, ttl = renew_args(rest, conn.service.config.max_ttl)
     return b"200 Renewed\r\n" if conn.engine.renew(conn.session, key, now, ttl) else NOT_LOCKED
 
 

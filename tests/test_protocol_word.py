@@ -217,6 +217,26 @@ BAD_REQUESTS = [
     (b"renew k ttl=-1", b"ttl must be a non-negative number"),
     (b"token", b"missing key"),
     (b"info", b"missing key"),
+    # Numbers that are not finite, and durations above --max-ttl (default 86400 s).
+    (b"lock k inf", b"WAIT must be a non-negative number"),
+    (b"lock k nan", b"WAIT must be a non-negative number"),
+    (b"lock k 1e400", b"WAIT must be a non-negative number"),
+    (b"lock k " + b"9" * 400, b"WAIT is too large"),
+    (b"lock k 86400.5", b"WAIT above --max-ttl (86400 s)"),
+    (b"lock k ttl=" + b"9" * 400, b"ttl is too large"),
+    (b"lock k ttl=inf", b"ttl must be a non-negative number"),
+    (b"lock k ttl=86401", b"ttl above --max-ttl (86400 s)"),
+    (b"lock_shared s 90000 limit=2", b"WAIT above --max-ttl (86400 s)"),
+    (b"lock_shared s ttl=1e400", b"ttl must be a non-negative number"),
+    (b"mlock a b wait=" + b"9" * 400, b"wait is too large"),
+    (b"mlock a b wait=86401", b"wait above --max-ttl (86400 s)"),
+    (b"mlock a b ttl=nan", b"ttl must be a non-negative number"),
+    (b"renew k ttl=" + b"9" * 400, b"ttl is too large"),
+    (b"renew k ttl=100000", b"ttl above --max-ttl (86400 s)"),
+    (b"set_timeout inf", b"MS must be a non-negative number"),
+    (b"set_timeout 1e400", b"MS must be a non-negative number"),
+    (b"set_timeout " + b"9" * 400, b"MS is too large"),
+    (b"set_timeout 999999999999", b"MS above --max-ttl (86400 s)"),
 ]
 
 
@@ -241,3 +261,14 @@ def test_waiter_limit_gets_413_and_changes_nothing() -> None:
     assert isinstance(b.handle(b"lock k 5", 0.0), Pending)
     assert c.handle(b"lock k 5", 0.0) == b"413 Too Many Waiters\r\n"
     assert a.service.snapshot()["waiting"] == 1
+
+
+def test_max_ttl_is_a_flag_and_its_bound_itself_is_allowed() -> None:
+    a, b = pair(max_ttl=10.0)
+    assert a.handle(b"lock k ttl=10", 0.0) == b"200 Acquired\r\n"
+    assert (
+        a.handle(b"renew k ttl=10.001", 0.0) == b"400 Bad Request: ttl above --max-ttl (10 s)\r\n"
+    )
+    assert a.handle(b"set_timeout 10000", 0.0) == b"200 timeout set\r\n"
+    assert a.handle(b"set_timeout 10001", 0.0).startswith(b"400 Bad Request: MS above")
+    assert isinstance(b.handle(b"lock k 10", 0.0), Pending)

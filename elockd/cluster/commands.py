@@ -163,7 +163,7 @@ def cmd_dump(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
-    key, wait, ttl = lock_args(rest)
+    key, wait, ttl = lock_args(rest, conn.service.config.max_ttl)
 
     async def run() -> bytes:
         grant = await _space(conn).acquire(
@@ -212,7 +212,7 @@ def cmd_conn_id(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
-    key, wait, limit, ttl = lock_shared_args(rest)
+    key, wait, limit, ttl = lock_shared_args(rest, conn.service.config.max_ttl)
 
     async def run() -> bytes:
         grant = await _space(conn).acquire(
@@ -234,7 +234,7 @@ def cmd_unlock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
-    keys, wait, ttl = mlock_args(rest)
+    keys, wait, ttl = mlock_args(rest, conn.service.config.max_ttl)
     if len(keys) > conn.service.config.max_keys:
         return TOO_MANY_KEYS
 
@@ -248,7 +248,7 @@ def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_renew(conn: Connection, rest: bytes, now: float) -> Reply:
-    key, ttl = renew_args(rest)
+    key, ttl = renew_args(rest, conn.service.config.max_ttl)
     renewed = _space(conn).renew(conn.session, key, ttl)
     return b"200 Renewed\r\n" if renewed else NOT_LOCKED
 
