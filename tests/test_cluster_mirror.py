@@ -250,6 +250,20 @@ class EtcdAndMirror(RuleBasedStateMachine):
         assert self.violations == []
 
     @invariant()
+    def counts_kept_on_the_way_equal_a_walk_of_every_queue(self) -> None:
+        """The O(1) counts `q` and /metrics read match counting every queue."""
+        queues = self.mirror.queues.items()
+        shared = [queue for (kind, _), queue in queues if kind == SHARED]
+        exclusive = [queue for (kind, _), queue in queues if kind != SHARED]
+        holding = sum(1 for queue in shared for _ in queue.granted())
+        assert self.mirror.exclusive_locks() == len(exclusive)
+        assert self.mirror.shared_locks() == len(shared)
+        assert self.mirror.shared_holders() == holding
+        assert self.mirror.waiting() == sum(len(q.revisions) - 1 for q in exclusive) + sum(
+            queue.waiting() for queue in shared
+        )
+
+    @invariant()
     def told_at_most_once(self) -> None:
         assert all(count == 1 for count in self.told.values())
 

@@ -68,14 +68,20 @@ class Queue:
         self.revisions: list[int] = []
         self.entries: dict[int, Entry] = {}
 
-    def add(self, entry: Entry) -> None:
-        if entry.revision not in self.entries:
+    def add(self, entry: Entry) -> Entry | None:
+        """Add or replace (a shared entry marked held); the entry it replaced."""
+        old = self.entries.get(entry.revision)
+        if old is None:
             insort(self.revisions, entry.revision)
         self.entries[entry.revision] = entry
+        return old
 
-    def remove(self, revision: int) -> None:
-        if self.entries.pop(revision, None) is not None:
+    def remove(self, revision: int) -> Entry | None:
+        """Take out the entry at ``revision``; the entry, or None."""
+        entry = self.entries.pop(revision, None)
+        if entry is not None:
             del self.revisions[bisect_left(self.revisions, revision)]
+        return entry
 
     def granted(self) -> Iterator[Entry]:
         """The entries of a shared queue that hold it."""
@@ -137,6 +143,16 @@ class QueueMirror:
         self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
         self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
         self.on_other = on_other  # events on keys that are not queue entries
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        """The counts `q` and /metrics read, kept on every change so that a scrape
+        costs O(1) however many queues there are (a walk took 0.21 s at 200,000)."""
+        self.exclusive_queues = 0
+        self.shared_queues = 0
+        self.exclusive_entries = 0
+        self.shared_entries = 0
+        self.shared_holding = 0  # shared entries that hold (unlimited, or marked held)
 
     # ------------------------------------------------------------------ state
 
@@ -145,6 +161,7 @@ class QueueMirror:
         self.queues.clear()
         self._located.clear()
         self.by_lease.clear()
+        self._reset_counts()
         self.revision = revision
         for kv in kvs:
             self._put(kv)
@@ -172,10 +189,7 @@ class QueueMirror:
                 if where is not None:
                     queue_id, revision = where
                     self._unindex(kv.key)
-                    queue = self.queues[queue_id]
-                    queue.remove(revision)
-                    if not queue.entries:
-                        del self.queues[queue_id]
+                    self._remove(queue_id, revision)
                     touched.add(queue_id)
             else:
                 put_in = self._put(kv)
@@ -195,10 +209,40 @@ class QueueMirror:
         if name is None:
             return None
         entry = Entry(kv.key, kv.create_revision, name.lease, parse_entry_value(kv.value))
-        self.queues.setdefault(name.queue, Queue()).add(entry)
+        shared = name.queue[0] == SHARED
+        queue = self.queues.get(name.queue)
+        if queue is None:
+            queue = self.queues[name.queue] = Queue()
+            if shared:
+                self.shared_queues += 1
+            else:
+                self.exclusive_queues += 1
+        old = queue.add(entry)
+        if shared:
+            self.shared_holding += entry.holds_shared - (old is not None and old.holds_shared)
+            self.shared_entries += old is None
+        else:
+            self.exclusive_entries += old is None
         self._located[kv.key] = (name.queue, kv.create_revision)
         self.by_lease.setdefault(name.lease, {})[kv.key] = kv.create_revision
         return name.queue
+
+    def _remove(self, queue_id: QueueId, revision: int) -> None:
+        queue = self.queues[queue_id]
+        entry = queue.remove(revision)
+        shared = queue_id[0] == SHARED
+        if entry is not None:
+            if shared:
+                self.shared_entries -= 1
+                self.shared_holding -= entry.holds_shared
+            else:
+                self.exclusive_entries -= 1
+        if not queue.entries:
+            del self.queues[queue_id]
+            if shared:
+                self.shared_queues -= 1
+            else:
+                self.exclusive_queues -= 1
 
     def _unindex(self, etcd_key: bytes) -> None:
         name = self.layout.parse_entry(etcd_key)
@@ -271,22 +315,17 @@ class QueueMirror:
     # ----------------------------------------------------------------- counts
 
     def exclusive_locks(self) -> int:
-        return sum(1 for kind, _ in self.queues if kind != SHARED)
+        return self.exclusive_queues
 
     def shared_locks(self) -> int:
-        return sum(1 for kind, _ in self.queues if kind == SHARED)
+        return self.shared_queues
 
     def shared_holders(self) -> int:
-        return sum(
-            sum(1 for _ in queue.granted())
-            for (kind, _), queue in self.queues.items()
-            if kind == SHARED
-        )
+        return self.shared_holding
 
     def waiting(self) -> int:
         """Entries that wait: all but the first of an exclusive queue, the unmarked
         limited ones of a shared queue."""
-        return sum(
-            queue.waiting() if kind == SHARED else len(queue.revisions) - 1
-            for (kind, _), queue in self.queues.items()
+        return (self.exclusive_entries - self.exclusive_queues) + (
+            self.shared_entries - self.shared_holding
         )
