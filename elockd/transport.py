@@ -64,9 +64,10 @@ class _ReadAhead:
 class SocketTransport(_ReadAhead):
     """A connected non-blocking stdlib socket, driven with trio's readiness waits.
 
-    ``send_timeout`` bounds how long a reply may wait for room in the socket's send
-    buffer: a client that stops reading its replies stops being read (we are stuck
-    in send) and is dropped when this runs out, so its backlog cannot grow.
+    ``send_timeout`` bounds how long a send may make no progress: a client that
+    stops reading its replies stops being read (we are stuck in send) and is dropped
+    once no byte went out for this long, so its backlog cannot grow. The deadline
+    moves whenever bytes go out, so a big reply read slowly but steadily is not cut.
     """
 
     __slots__ = ("send_timeout", "sock")
@@ -116,6 +117,7 @@ class SocketTransport(_ReadAhead):
         while view:
             try:
                 sent = sock.send(view)
+                deadline = math.inf  # progress: the next stall gets a fresh deadline
             except BlockingIOError:
                 # The slow path only: the common send never builds a cancel scope.
                 if deadline == math.inf:
@@ -130,6 +132,13 @@ class SocketTransport(_ReadAhead):
 
     async def aclose(self) -> None:
         self.sock.close()
+
+
+#: A Stream's send_all gives no sign of progress until it returns, so
+#: :class:`StreamTransport` sends big replies in pieces of this size, each with its own
+#: ``send_timeout``: a client reading steadily keeps its connection, a stalled one
+#: does not.
+STREAM_SEND_PIECE = 16384
 
 
 class StreamTransport(_ReadAhead):
@@ -149,10 +158,12 @@ class StreamTransport(_ReadAhead):
             return b""
 
     async def send(self, data: bytes) -> None:
-        with trio.move_on_after(self.send_timeout):
-            await self.stream.send_all(data)
-            return
-        raise trio.BrokenResourceError("send timed out: peer not reading")
+        view = memoryview(data)
+        for start in range(0, len(view), STREAM_SEND_PIECE):
+            with trio.move_on_after(self.send_timeout) as stalled:
+                await self.stream.send_all(view[start : start + STREAM_SEND_PIECE])
+            if stalled.cancelled_caught:
+                raise trio.BrokenResourceError("send timed out: peer not reading")
 
     async def aclose(self) -> None:
         await trio.aclose_forcefully(self.stream)
