@@ -97,6 +97,18 @@ class Streamed:
         return b"".join(self.chunks)
 
 
+class Delayed:
+    """A reply sent only after ``seconds``: a wrong ``auth`` token is answered late,
+    so guessing tokens is slow. Only this connection waits; the server sleeps in its
+    task, never in the loop other clients share."""
+
+    __slots__ = ("reply", "seconds")
+
+    def __init__(self, reply: bytes, seconds: float) -> None:
+        self.reply = reply
+        self.seconds = seconds
+
+
 class Deferred:
     """A reply that needs the backend's I/O first (the etcd backend): the server
     awaits :meth:`settle`. ``waits`` marks requests that may wait for a grant, which
@@ -124,7 +136,7 @@ class Deferred:
             return WORD_TOO_MANY_HOLDS if self.word else TERSE_TOO_MANY_HOLDS
 
 
-Reply = bytes | Pending | Deferred | Streamed
+Reply = bytes | Pending | Deferred | Streamed | Delayed
 Handler = Callable[["Connection", bytes, float], Reply]
 
 
@@ -163,6 +175,8 @@ class Service:
         # Connections that set a name with `iam`, oldest naming first (for `who`).
         self.named: dict[Connection, None] = {}
         self.auth_token = auth_token
+        # Told the peer of every failed `auth` (the server logs it).
+        self.on_auth_failure: Callable[[bytes], None] | None = None
         # Before `auth` succeeds a connection dispatches through this table, where
         # every verb but `auth` is refused: no per-request check on the hot path.
         self.unauthenticated_commands: dict[bytes, Handler] = {

@@ -37,7 +37,7 @@ from elockd.framing import LineReader
 from elockd.locks import ENDED_SESSION_LIMIT, LockEngine
 from elockd.logthrottle import LogThrottle
 from elockd.metrics import serve_metrics
-from elockd.protocol import Connection, Deferred, Pending, Service, Streamed
+from elockd.protocol import Connection, Deferred, Delayed, Pending, Service, Streamed
 from elockd.sessions import Session
 from elockd.stats import Backend
 from elockd.transport import SocketTransport, StreamTransport, Transport
@@ -112,6 +112,9 @@ async def _serve_requests(
                 final: bytes | Streamed | None
                 if isinstance(reply, Pending):
                     final = await wait_for_grant(reply, transport)
+                elif isinstance(reply, Delayed):
+                    await trio.sleep(reply.seconds)
+                    final = reply.reply
                 else:
                     assert isinstance(reply, Deferred)
                     final = await settle_deferred(reply, transport)
@@ -260,10 +263,88 @@ def open_unix_socket(path: str) -> socket.socket:
     return sock
 
 
-def tune_accepted(sock: socket.socket) -> None:
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+def keepalive_settings(seconds: float) -> tuple[int, int, int]:
+    """TCP_KEEPIDLE, TCP_KEEPINTVL and TCP_KEEPCNT that notice a vanished peer well
+    within ``seconds``: half of it idle, then probes a tenth of it apart until 80%
+    of it has passed (30 s: idle 15 s, then 3 probes 3 s apart: dead at 24 s). The
+    kernel counts whole seconds, so very small values round up to 1 s steps."""
+    idle = max(1, int(seconds * 0.5))
+    interval = max(1, int(seconds * 0.1))
+    count = max(1, int((seconds * 0.8 - idle) // interval))
+    return idle, interval, count
+
+
+def tune_accepted(sock: socket.socket, keepalive: float = 0.0) -> None:
+    """No Nagle delay, and TCP keepalive so that a client host that vanished (power
+    cut, cable pulled: no FIN, no RST ever comes) is noticed within ``keepalive``
+    seconds and its locks freed; TCP_USER_TIMEOUT bounds unacknowledged replies the
+    same way. ``keepalive`` 0 leaves the operating system's defaults (hours)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if keepalive > 0:
+        idle, interval, count = keepalive_settings(keepalive)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(keepalive * 1000))
+
+
+#: accept() errors that mean "the system is out of a resource now", not "this
+#: listener is broken": trio.serve_listeners' own set. The loop pauses and goes on.
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: How long the accept loop pauses after one of those (trio's serve_listeners too).
+ACCEPT_PAUSE = 0.1
+#: One line per 10 s, with a count, however often accept() fails.
+accept_warning = LogThrottle(log, logging.WARNING)
+
+
+class SpareDescriptor:
+    """One file descriptor kept in reserve, so that a connection over the open-file
+    limit can still be told why it is refused (libev and nginx keep one the same
+    way): on EMFILE, give the spare back, accept, send ``0 Too Many Connections``,
+    close, and take the spare again."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.take()
+
+    def take(self) -> None:
+        if self.fd is None:
+            try:
+                self.fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self.fd = None  # still out of descriptors; the next refusal retries
+
+    def release(self) -> bool:
+        """Give the spare back; True when there was one."""
+        if self.fd is None:
+            return False
+        os.close(self.fd)
+        self.fd = None
+        return True
+
+    def close(self) -> None:
+        self.release()
+
+    def refuse_one(self, listener: socket.socket) -> bool:
+        """Accept one pending connection on the spare descriptor and refuse it; True
+        when one was refused (False: no spare, or nothing pending)."""
+        if not self.release():
+            self.take()
+            return False
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return False
+        else:
+            refuse(sock)  # closes it, so its descriptor is free for the spare again
+            return True
+        finally:
+            self.take()
 
 
 class ConnectionSlots:
@@ -295,12 +376,18 @@ async def accept_loop(
     nursery: trio.Nursery,
     tls: ssl.SSLContext | None = None,
     slots: ConnectionSlots | None = None,
+    spare: SpareDescriptor | None = None,
 ) -> None:
     """Accept every pending connection, one task each; refuse those over the limit.
-    Listeners that share a limit share ``slots``."""
+    Listeners that share a limit share ``slots`` (and the ``spare`` descriptor).
+
+    No resource error ends the loop (that would end the server and free every
+    lock): out of descriptors, the connection is still accepted on the spare and
+    told ``0 Too Many Connections``; out of memory or buffers, the loop pauses."""
     if slots is None:
         slots = ConnectionSlots(service.config.max_connections)
     send_timeout = service.config.send_timeout
+    keepalive = service.config.keepalive
     while True:
         await trio.lowlevel.wait_readable(listener)
         while True:
@@ -309,18 +396,31 @@ async def accept_loop(
             except BlockingIOError:
                 break
             except OSError as error:
-                if error.errno in (errno.EMFILE, errno.ENFILE):
-                    log.warning("accept: out of file descriptors (%s); pausing", error)
-                    await trio.sleep(0.1)
-                    break
                 if error.errno in (errno.ECONNABORTED, errno.EPROTO):
                     continue
-                raise
+                if error.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                out_of_files = error.errno in (errno.EMFILE, errno.ENFILE)
+                if out_of_files and spare is not None and spare.refuse_one(listener):
+                    accept_warning(
+                        "accept: out of file descriptors (%s); connections over the "
+                        "limit are refused with '0 Too Many Connections'",
+                        os.strerror(error.errno),
+                    )
+                    continue
+                accept_warning(
+                    "accept: %s (%s); pausing %.1f s",
+                    errno.errorcode[error.errno],
+                    os.strerror(error.errno),
+                    ACCEPT_PAUSE,
+                )
+                await trio.sleep(ACCEPT_PAUSE)
+                break
             if slots.used >= slots.limit:
                 refuse(sock)
                 continue
             slots.used += 1
-            tune_accepted(sock)
+            tune_accepted(sock, keepalive)
             if tls is None:
                 transport = SocketTransport(sock, send_timeout)
                 nursery.start_soon(
@@ -409,8 +509,20 @@ def make_service(config: Config) -> Service:
     engine.on_session_end = log_session_end
     token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
     if config.etcd:
-        return make_cluster_service(config, engine, token)
-    return Service(config, engine, auth_token=token)
+        service = make_cluster_service(config, engine, token)
+    else:
+        service = Service(config, engine, auth_token=token)
+    service.on_auth_failure = log_auth_failure
+    return service
+
+
+#: Failed `auth` comes in floods when someone guesses: one warning per 10 s, with a
+#: count of the others.
+auth_failure_warning = LogThrottle(log, logging.WARNING)
+
+
+def log_auth_failure(peer: bytes) -> None:
+    auth_failure_warning("failed auth from %s: wrong token", peer.decode(errors="backslashreplace"))
 
 
 #: Sessions ended at --max-sessions come in floods when a client churns: one warning
@@ -493,6 +605,7 @@ async def serve(
             config.max_connections,
         )
     timer = DeadlineTimer(service.backend)
+    spare = SpareDescriptor()
     try:
         async with trio.open_nursery() as nursery:
             if service.background is not None:
@@ -508,10 +621,13 @@ async def serve(
             for index, listener in enumerate(listeners):
                 # TLS protects the TCP port; the Unix socket is guarded by file modes.
                 listener_tls = tls if index < tcp_listeners else None
-                nursery.start_soon(accept_loop, service, listener, nursery, listener_tls, slots)
+                nursery.start_soon(
+                    accept_loop, service, listener, nursery, listener_tls, slots, spare
+                )
             log.info("elockd listening on %s", ", ".join(describe(a) for a in addresses))
             task_status.started(addresses)
     finally:
+        spare.close()
         for listener in listeners:
             listener.close()
         if config.unix:

@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 from elockd.locks import QueueFull, Waiter
-from elockd.protocol import BadRequest, Pending
+from elockd.protocol import BadRequest, Delayed, Pending
 from elockd.stats import render_stats
 
 if TYPE_CHECKING:
@@ -313,11 +313,16 @@ def cmd_ping(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
+    """A wrong token is reported (the server logs it with the peer) and answered
+    only after ``--auth-failure-delay``; then the connection closes."""
     token = rest.strip(b" \t")
     if conn.check_token(token):
         return b"200 OK\r\n"
     conn.closing = True
-    return b"403 Bad Token\r\n"
+    service = conn.service
+    if service.on_auth_failure is not None:
+        service.on_auth_failure(conn.peer)
+    return Delayed(b"403 Bad Token\r\n", service.config.auth_failure_delay)
 
 
 WORD_COMMANDS = {
