@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="close an HTTP connection idle for this long",
     )
     add(
+        "--metrics-cache",
+        type=non_negative_float,
+        default=defaults.metrics_cache,
+        metavar="SECONDS",
+        help="render /metrics at most once per this long; scrapers in between get the "
+        "same text (0: render on every scrape)",
+    )
+    add(
         "--replies",
         choices=sorted(STYLES),
         default=defaults.replies,

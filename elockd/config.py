@@ -15,6 +15,8 @@ class Config:
     # HTTP connections (scrapers, health checks) at once, and how long one may idle.
     metrics_max_connections: int = 32
     metrics_idle_timeout: float = 10.0
+    # /metrics is rendered at most once per this many seconds (0: on every scrape).
+    metrics_cache: float = 1.0
     replies: str = "elockd"
     max_connections: int = 10_000
     max_line: int = 4096

@@ -21,23 +21,23 @@ counters, seconds); docs/monitoring.md maps each one to its ``q`` counter.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.typing import ASGIFramework
-from prometheus_client import CollectorRegistry, ProcessCollector, make_asgi_app
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from elockd.http import listen_tcp, serve_http
 from elockd.protocol import Service
 from elockd.stats import Buckets
 
@@ -193,29 +193,55 @@ def make_registry(service: Service) -> CollectorRegistry:
     return registry
 
 
-def make_app(registry: CollectorRegistry) -> App:
-    """``/metrics`` (prometheus-client's ASGI app), ``/healthz``, and 404 elsewhere.
+class Exposition:
+    """The text of ``/metrics``, rendered at most once per ``max_age`` seconds.
 
-    It also answers the ASGI lifespan protocol, which prometheus-client's app does
-    not, so hypercorn starts without complaining.
+    Rendering walks every metric family (about a millisecond of the event loop that
+    the lock clients share); scrapers in a tight loop, or many scrapers at once, get
+    the cached text instead, so they cannot take more than that per second however
+    often they ask. Prometheus scrapes every 15 s or so and never sees a stale value
+    older than ``max_age``.
     """
-    metrics = cast(App, make_asgi_app(registry))
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        max_age: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.max_age = max_age
+        self.clock = clock
+        self.renders = 0  # how many times the registry was actually walked
+        self._cache: dict[str, tuple[float, bytes]] = {}
+
+    def get(self, accept: str) -> tuple[bytes, str]:
+        """The body and content type for a scraper that sent ``Accept: accept``."""
+        encoder, content_type = choose_encoder(accept)
+        now = self.clock()
+        cached = self._cache.get(content_type)
+        if cached is not None and now - cached[0] < self.max_age:
+            return cached[1], content_type
+        body = encoder(self.registry)
+        self.renders += 1
+        self._cache[content_type] = (now, body)
+        return body, content_type
+
+
+def make_app(exposition: Exposition) -> App:
+    """``/metrics`` (the cached exposition), ``/healthz``, and 404 elsewhere."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
         if scope["type"] != "http":
             return
         if scope["method"] not in ("GET", "HEAD"):
             await respond(send, 405, b"method not allowed\n", [(b"allow", b"GET, HEAD")])
         elif scope["path"] == "/metrics":
-            await metrics(scope, receive, send)
+            accept = dict(scope["headers"]).get(b"accept", b"").decode("latin-1")
+            body, content_type = exposition.get(accept)
+            if scope["method"] == "HEAD":
+                body = b""
+            await respond(send, 200, body, content_type=content_type.encode())
         elif scope["path"] == "/healthz":
             # Answering at all proves the trio run (and so the lock server) is alive.
             await respond(send, 200, b"ok\n")
@@ -226,20 +252,21 @@ def make_app(registry: CollectorRegistry) -> App:
 
 
 async def respond(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+    send: Send,
+    status: int,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    *,
+    content_type: bytes = b"text/plain; charset=utf-8",
 ) -> None:
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"text/plain; charset=utf-8"), *(headers or [])],
+            "headers": [(b"content-type", content_type), *(headers or [])],
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-def bind_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve_metrics(
@@ -249,20 +276,24 @@ async def serve_metrics(
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``/metrics`` and ``/healthz`` on ``host:port`` until cancelled.
+    """Serve ``/metrics`` and ``/healthz`` on ``host:port`` until cancelled, at most
+    ``--metrics-max-connections`` connections at once, each closed after
+    ``--metrics-idle-timeout`` seconds of silence (:mod:`elockd.http`).
 
     ``port`` 0 takes any free port; ``task_status`` reports the bound address.
-    Cancellation (server shutdown) is the only way it ends: hypercorn's graceful
-    shutdown has nothing to finish that a scraper would miss.
     """
-    config = HypercornConfig()
-    config.bind = [bind_address(host, port)]
-    config.accesslog = None
-    config.errorlog = http_log
-    config.include_server_header = False
-    app = cast(ASGIFramework, make_app(make_registry(service)))
-    async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(hypercorn_serve, app, config)
-        bound = urlsplit(binds[0])
-        assert bound.hostname is not None and bound.port is not None
-        task_status.started((bound.hostname, bound.port))
+    config = service.config
+    sock = listen_tcp(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    exposition = Exposition(make_registry(service), max_age=config.metrics_cache)
+    app = cast(ASGIFramework, make_app(exposition))
+    try:
+        task_status.started((bound_host, bound_port))
+        await serve_http(
+            app,
+            sock,
+            max_connections=config.metrics_max_connections,
+            idle_timeout=config.metrics_idle_timeout,
+        )
+    finally:
+        sock.close()

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elockd.config import Config
 from elockd.locks import LockEngine
-from elockd.metrics import EXTRA_METRICS, make_registry, serve_metrics
+from elockd.metrics import EXTRA_METRICS, Exposition, make_registry, serve_metrics
 from elockd.protocol import Service
 from elockd.server import make_service, serve
 from elockd.stats import Buckets
@@ -79,6 +79,12 @@ async def scrape(port: int) -> Samples:
     status, body = await http_get(port, "/metrics")
     assert status == 200
     return parse(body.decode())
+
+
+@pytest.fixture
+def server_config() -> Config:
+    """These tests scrape, change the tables, and scrape again at once: no cache."""
+    return Config(port=0, metrics_port=0, metrics_cache=0)
 
 
 async def start_metrics(nursery: trio.Nursery, service: Service) -> int:
@@ -245,6 +251,41 @@ async def test_healthz_and_unknown_paths(nursery: trio.Nursery, server: RunningS
     assert await http_get(port, "/healthz") == (200, b"ok\n")
     status, _ = await http_get(port, "/nope")
     assert status == 404
+
+
+def test_the_exposition_is_rendered_at_most_once_per_max_age() -> None:
+    service = make_service(Config(port=0, metrics_port=0))
+    now = [100.0]
+    exposition = Exposition(make_registry(service), max_age=1.0, clock=lambda: now[0])
+    first, content_type = exposition.get("")
+    assert content_type.startswith("text/plain") and b"elockd_connections 0.0" in first
+    service.counters.connections = 7
+    for _ in range(1000):  # scrapers in a tight loop within one second
+        assert exposition.get("")[0] == first
+        now[0] += 0.0009
+    now[0] += 0.2
+    assert b"elockd_connections 7.0" in exposition.get("")[0]
+    openmetrics, kind = exposition.get("application/openmetrics-text; version=1.0.0")
+    assert kind.startswith("application/openmetrics-text") and openmetrics.endswith(b"# EOF\n")
+    assert exposition.renders == 3
+
+
+async def test_http_connections_are_capped_and_idle_ones_closed(
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock
+) -> None:
+    """Scrapers opening connections in a crowd are served --metrics-max-connections
+    at a time (the rest wait in the backlog, costing nothing); a connection that
+    says nothing is closed after --metrics-idle-timeout."""
+    config = Config(port=0, metrics_port=0, metrics_max_connections=2, metrics_idle_timeout=5)
+    port = await start_metrics(nursery, make_service(config))
+    silent = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+    opened = trio.current_time()
+    # Both slots are taken by silent connections: a third waits until one closes.
+    assert await http_get(port, "/healthz") == (200, b"ok\n")
+    assert trio.current_time() - opened == 5.0, "served once the idle ones were closed"
+    for stream in silent:
+        assert await stream.receive_some(1) == b""
+        await stream.aclose()
 
 
 async def test_serve_starts_metrics_on_the_configured_port(
