@@ -34,10 +34,12 @@ test: lint
 
 # The safety checker (tests/safety.py) for longer than `make test` runs it:
 # many clients in several processes, random SIGKILLs, every grant checked; against
-# one in-memory server, then against two cluster nodes over a 3-member etcd.
+# one in-memory server, then against two cluster nodes over a 3-member etcd. Also a
+# vanished client host with default flags (its lock freed within --keepalive 30).
 STRESS_SECONDS ?= 60
 stress: $(VENV)/.installed-test
 	STRESS_SECONDS=$(STRESS_SECONDS) $(BIN)/python -m pytest -q -s tests/test_safety.py
+	VANISH_DEFAULT_FLAGS=1 $(BIN)/python -m pytest -q -s tests/test_hostile.py -k vanished
 	CLUSTER_STRESS_SECONDS=$(STRESS_SECONDS) $(BIN)/python -m pytest -q -s tests/test_cluster_safety.py
 
 # Benchmarks, not tests: elockd beside redis-server (when installed), pinned with

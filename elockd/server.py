@@ -288,7 +288,11 @@ def tune_accepted(sock: socket.socket, keepalive: float = 0.0) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(keepalive * 1000))
+        # With keepalive on, Linux closes at the first probe after this much silence
+        # (it overrides the probe count), so it is the same bound, not the whole of
+        # ``keepalive``: a probe a second late would otherwise pass it.
+        dead_after = idle + interval * count
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, dead_after * 1000)
 
 
 #: accept() errors that mean "the system is out of a resource now", not "this

@@ -8,6 +8,7 @@ probe connection measures what every other client would feel while the attack ru
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,6 +23,15 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def free_port() -> int:
+    """A port the OS has just handed out and taken back (for a second listener whose
+    port the server cannot report, such as --metrics-port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -52,13 +62,21 @@ async def _round_trip(stream: trio.SocketStream, request: bytes, buffer: bytearr
 
 @asynccontextmanager
 async def latency_probe(
-    port: int, *, key: bytes = b"probe-key", interval: float = 0.005, host: str = "127.0.0.1"
+    port: int,
+    *,
+    key: bytes = b"probe-key",
+    interval: float = 0.005,
+    host: str = "127.0.0.1",
+    token: bytes | None = None,
 ) -> AsyncIterator[Probe]:
     """Run a probe doing ``g KEY`` then ``r KEY`` every ``interval`` seconds for as
-    long as the block runs; each sample is one request's round trip (real time)."""
+    long as the block runs; each sample is one request's round trip (real time).
+    With ``token`` it first authenticates."""
     probe = Probe()
     stream = await trio.open_tcp_stream(host, port)
     buffer = bytearray()
+    if token is not None:
+        await _round_trip(stream, b"auth " + token + b"\n", buffer)
 
     async def run() -> None:
         while True:

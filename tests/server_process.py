@@ -1,26 +1,44 @@
 """A real ``python -m elockd`` process for tests that need one outside the test's
-own trio run (the blocking client, elockctl, the contrib scripts)."""
+own trio run (the blocking client, elockctl, the contrib scripts, hostile clients)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 
-def start_server(*args: str) -> tuple[subprocess.Popen[str], int]:
-    """Start elockd on a free port; returns the process and the port."""
+def start_server(
+    *args: str,
+    log: list[str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> tuple[subprocess.Popen[str], int]:
+    """Start elockd on a free port; returns the process and the port.
+
+    ``log``, when given, receives every line the server logs (from a thread, so a
+    full pipe can never stall the server); ``preexec_fn`` runs in the child before
+    it starts (to set resource limits, say)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "elockd", "--port", "0", "--metrics-port", "0", *args],
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=preexec_fn,
     )
     assert process.stderr is not None
-    for line in process.stderr:
+    stderr = process.stderr
+    for line in stderr:
+        if log is not None:
+            log.append(line)
         if "listening on" in line:
             first = line.split("listening on ", 1)[1].split(",")[0]
-            # Keep reading its log, so a full pipe can never stall the server.
-            threading.Thread(target=process.stderr.read, daemon=True).start()
+
+            def drain() -> None:
+                for later in stderr:
+                    if log is not None:
+                        log.append(later)
+
+            threading.Thread(target=drain, daemon=True).start()
             return process, int(first.rsplit(":", 1)[1])
     raise RuntimeError(f"server did not start (exit {process.wait()})")
 

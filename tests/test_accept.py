@@ -118,7 +118,7 @@ def test_accepted_tcp_sockets_carry_the_keepalive_and_user_timeout() -> None:
             assert get(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 15
             assert get(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 3
             assert get(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
-            assert get(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 30_000
+            assert get(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 24_000
             assert get(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
 
 
