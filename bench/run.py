@@ -114,7 +114,7 @@ def running(
             process.wait()
 
 
-def elockd_command(port: int) -> list[str]:
+def elockd_command(port: int, metrics_port: int = 0, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -122,13 +122,15 @@ def elockd_command(port: int) -> list[str]:
         "--port",
         str(port),
         "--metrics-port",
-        str(free_port()),  # on, as by default: its histogram hooks run per release
+        # On, as by default: its histogram hooks run per release.
+        str(metrics_port or free_port()),
         "--max-connections",
         "20000",
         "--max-holds",
         "100000",
         "--log-level",
         "warning",
+        *extra,
     ]
 
 
@@ -910,7 +912,7 @@ def main() -> None:
     parser.add_argument("--hold-locks", type=int, default=100, help="locks per connection")
     parser.add_argument("--waiters", type=int, default=10_000)
     parser.add_argument("--leases", type=int, default=100_000)
-    groups = ["throughput", "hold", "features", "etcd"]
+    groups = ["throughput", "hold", "features", "scrape", "etcd"]
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=groups, help="row groups to leave out"
     )
@@ -936,7 +938,7 @@ def main() -> None:
         run.discard("etcd")
 
     print(f"# elockd bench, {options.seconds:g} s per row; {time.strftime('%Y-%m-%d %H:%M')}")
-    if run & {"throughput", "hold", "features"}:
+    if run & {"throughput", "hold", "features", "scrape"}:
         pinned_rows(options, run)
     if "etcd" in run:
         etcd_rows(options.seconds, options.etcd_clients, options.etcd_session_ttl)
@@ -1013,6 +1015,8 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
             f"{loaded.rps:,.0f} req/s ({loaded.server_us_per_request:.2f} µs CPU/req): "
             f"{loaded.rps / plain.rps:.2f}x"
         )
+    if "scrape" in run:
+        scrape_rows(loadgen, options.seconds)
     if "hold" in run:
         with running(elockd_command(elockd_port), elockd_port) as ours:
             hold = hold_row(elockd_port, ours.pid, options.hold_conns, options.hold_locks)
@@ -1026,6 +1030,34 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
             f"{hold['all_free_s'] * 1000:.0f} ms, "
             f"probe p99 {hold['probe_p99_ms']:.1f} ms, max {hold['probe_max_ms']:.1f} ms "
             f"over {hold['probes']:,.0f} probes"
+        )
+
+
+def scrape_rows(loadgen: Path, seconds: float) -> None:
+    """bench/scrape.py's rows: two servers holding a million locks each (one
+    rendering /metrics on every scrape, one with the default cache)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.scrape import Running, print_scrape_rows
+
+    ports = [free_port() for _ in range(4)]
+    uncached_command = elockd_command(ports[0], ports[1], "--metrics-cache", "0")
+    uncached_command[uncached_command.index("--max-holds") + 1] = "1000000"
+    cached_command = elockd_command(ports[2], ports[3])
+    cached_command[cached_command.index("--max-holds") + 1] = "1000000"
+    with (
+        running(uncached_command, ports[0]) as uncached,
+        running(cached_command, ports[2]) as cached,
+    ):
+
+        def pair() -> float:
+            args = THROUGHPUT_ROWS[0][1]
+            return run_loadgen(loadgen, "lockd", ports[2], cached.pid, seconds, *args).rps
+
+        print_scrape_rows(
+            Running(uncached.pid, ports[0], ports[1]),
+            Running(cached.pid, ports[2], ports[3]),
+            pair,
+            cpu_seconds,
         )
 
 
