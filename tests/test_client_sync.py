@@ -304,7 +304,9 @@ def test_auth_required_and_a_foreign_service_are_errors_not_answers(tmp_path: Pa
         stop_server(process)
     with foreign_service() as port:
         start = time.monotonic()
-        with BlockingClient(port=port, reply_timeout=600) as client:
-            with pytest.raises(ProtocolError, match="not an elockd reply: 'SSH-2.0-"):
-                client.command("i k", check=True)
+        with (
+            BlockingClient(port=port, reply_timeout=600) as client,
+            pytest.raises(ProtocolError, match="not an elockd reply: 'SSH-2.0-"),
+        ):
+            client.command("i k", check=True)
         assert time.monotonic() - start < 30, "it waited for a reply instead of failing"
