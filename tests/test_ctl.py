@@ -365,16 +365,6 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
-    """A server that wants ``auth``, and the file with its token."""
-    token = tmp_path_factory.mktemp("auth") / "token"
-    token.write_text("letmein\n")
-    process, port = start_server("--auth-token-file", str(token))
-    yield port, token
-    stop_server(process)
-
-
 @pytest.mark.parametrize(
     "argv",
     [
