@@ -513,6 +513,9 @@ def test_command_runs_through_the_shell(port: int, tmp_path: Path) -> None:
         (["lock", "k", "-E", "300", "--", "true"], "'300' is not an exit status"),
         (["--port", "99999", "i", "k"], "--port: '99999' is not a port number"),
         (["--timeout", "-1", "i", "k"], "--timeout: '-1' is not a number of seconds"),
+        (["--tls-ca", "/nonexistent/ca.pem", "i", "k"], "--tls-ca /nonexistent/ca.pem: No such"),
+        (["--tls-key", "/nonexistent/key.pem", "i", "k"], "--tls-key needs --tls-cert"),
+        (["i", "a\nb"], "a key cannot hold a line end"),
     ],
 )
 def test_usage_errors_are_one_line_in_words(argv: list[str], complaint: str) -> None:
