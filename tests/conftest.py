@@ -23,6 +23,7 @@ from elockd.protocol import Service
 from elockd.server import make_service, serve
 from tests.cluster_nodes import Nodes
 from tests.etcd_cluster import EtcdCluster
+from tests.server_process import start_server, stop_server
 
 
 @pytest.fixture
@@ -140,6 +141,17 @@ def spawn_server() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]
         process.wait()
         if process.stderr:
             process.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    """A real server process that wants ``auth``, and the file with its token: for
+    the tools that must say "cannot tell" without one."""
+    token = tmp_path_factory.mktemp("auth") / "token"
+    token.write_text("letmein\n")
+    process, port = start_server("--auth-token-file", str(token))
+    yield port, token
+    stop_server(process)
 
 
 @pytest.fixture(scope="session")

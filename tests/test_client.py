@@ -12,6 +12,7 @@ import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import trio
@@ -22,17 +23,29 @@ from elockd.client import (
     AuthError,
     Client,
     ConnectFailed,
+    ConnectionLost,
     Hold,
     KeyBusy,
     LockLost,
+    ProtocolError,
     RateLimiter,
     ReplyTimeout,
+    RequestError,
     Unavailable,
 )
-from elockd.client.core import ClientCore, Operation, parse_lines, parse_ok
+from elockd.client.core import (
+    ClientCore,
+    Operation,
+    parse_checked,
+    parse_lines,
+    parse_ok,
+    printable,
+    terse_answer,
+)
 from elockd.config import Config
 from elockd.server import make_service, serve
 from tests.conftest import RunningServer
+from tests.foreign_service import foreign_service
 
 SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
 
@@ -497,3 +510,133 @@ def test_multiline_verbs_are_found_as_the_server_finds_them(line: bytes) -> None
     assert core.error is None
     assert op.finish() == [b"k: 127.0.0.1:1", b"j: 127.0.0.1:2"]
     ping.finish()
+
+
+async def test_a_server_that_wants_a_token_is_no_no(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``0 Auth Required`` answers a probe with a 0, but it means "cannot tell":
+    ``check=True`` raises AuthError instead of handing it back as a "no"."""
+    token = tmp_path / "token"
+    token.write_text("letmein\n")
+    config = Config(host="127.0.0.1", port=0, metrics_port=0, auth_token_file=str(token))
+    addresses = await nursery.start(serve, config, make_service(config))
+    async with Client(port=addresses[0][1]) as anonymous:
+        assert await anonymous.command("i k") == [b"0 Auth Required"]  # raw: as it came
+        for line in ("i k", "q", "dump", "stats", "si k"):
+            with pytest.raises(AuthError, match="Auth Required"):
+                await anonymous.command(line, check=True)
+    async with Client(port=addresses[0][1], auth_token="letmein") as client:
+        assert await client.command("i k", check=True) == [b"0 Not Locked"]
+        assert (await client.command("q", check=True))[0].startswith(b"command_")
+
+
+async def test_a_foreign_service_is_a_protocol_error() -> None:
+    """An SSH banner is no reply: the connection fails with ProtocolError (a
+    ConnectionLost) naming what came, at once, not after the reply timeout."""
+    with foreign_service() as port:
+        async with Client(port=port, reply_timeout=600) as client:
+            with trio.fail_after(5), pytest.raises(ProtocolError, match="SSH-2.0-OpenSSH") as lost:
+                await client.command("i k")
+        assert isinstance(lost.value, ConnectionLost)
+        assert lost.value.data.startswith(b"SSH-2.0-")
+        with trio.fail_after(5), pytest.raises(ProtocolError):
+            async with Client(port=port, auth_token="letmein", reply_timeout=600):
+                pass
+
+
+# ---------------------------------------------------------------- replies, read strictly
+
+
+@pytest.mark.parametrize(
+    "verb, reply, answer",
+    [
+        (b"i", b"1 Locked", 1),
+        (b"i", b"0 Not Locked", 0),
+        (b"i", b"1 Lock Is Locked: a b", 1),  # --replies glockd
+        (b"i", b"0 Lock Not Locked: a b", 0),
+        (b"g", b"0 Cannot Get Lock", 0),
+        (b"g", b"0 Lock Get Failure: k", 0),
+        (b"sg", b"3 Got Lock", 3),
+        (b"sg", b"2 Shared Lock Get Success: k", 2),
+        (b"si", b"4 Locked", 4),
+        (b"si", b"0 Shared Lock Not Locked: k", 0),
+        (b"r", b"1 Released Lock", 1),
+        (b"sr", b"0 Shared Lock Release Failure: k", 0),
+        (b"i", b"0 Auth Required", None),
+        (b"i", b"0 Backend Unavailable", None),
+        (b"i", b"0 Too Many Connections", None),
+        (b"i", b"0 Locked", None),  # a yes text with a 0
+        (b"i", b"1 Not Locked", None),  # a no text with a 1
+        (b"i", b"0 Cannot Get Lock", None),  # another verb's answer
+        (b"sg", b"0 Too Many Holds", None),  # sg has no "no"
+        (b"sg", b"0 Got Lock", None),
+        (b"i", b"SSH-2.0-OpenSSH_9.2", None),
+        (b"i", b"x Locked", None),
+    ],
+)
+def test_terse_answers_are_read_strictly(verb: bytes, reply: bytes, answer: int | None) -> None:
+    assert terse_answer(verb, reply) == answer
+
+
+def answered(line: bytes, data: bytes) -> Operation[list[bytes]]:
+    core = ClientCore(threading.Event)
+    op = core.simple(line, 0.0, parse_checked)
+    core.receive(data, 1.0)
+    assert core.error is None
+    return op
+
+
+def test_checked_replies() -> None:
+    assert answered(b"i k", b"0 Not Locked\r\n").finish() == [b"0 Not Locked"]
+    assert answered(b"q", b"locks: 1\r\nEND\r\n").finish() == [b"locks: 1"]
+    with pytest.raises(AuthError):
+        answered(b"q", b"0 Auth Required\r\n").finish()
+    with pytest.raises(AuthError):
+        answered(b"lock k", b"403 Auth Required\r\n").finish()
+    with pytest.raises(RequestError, match="i: 0 Backend Unavailable"):
+        answered(b"i k", b"0 Backend Unavailable\r\n").finish()
+    with pytest.raises(RequestError, match="Backend Unavailable"):
+        answered(b"d", b"0 Backend Unavailable\r\n").finish()
+    # A word verb's refusal is an answer (409: no); only auth refusals raise.
+    assert answered(b"lock k", b"409 Unavailable\r\n").finish() == [b"409 Unavailable"]
+
+
+@pytest.mark.parametrize(
+    "line, data",
+    [
+        (b"i k", b"SSH-2.0-OpenSSH_9.2\r\n"),
+        (b"i k", b"HTTP/1.1 400 Bad Request\r\n"),
+        (b"i k", b"1 Locked\n"),  # a bare \n: elockd always sends \r\n
+        (b"q", b"SSH-2.0-OpenSSH_9.2\r\n"),
+        (b"stats", b"<html>\r\n"),
+        (b"ping", b"200 PONG\r\n\r\n"),  # more than was asked for
+    ],
+)
+def test_bytes_that_are_no_reply_fail_the_connection(line: bytes, data: bytes) -> None:
+    core = ClientCore(threading.Event)
+    op = core.simple(line, 0.0, parse_lines)
+    core.receive(data, 1.0)
+    assert isinstance(core.error, ProtocolError), core.error
+    if not op.requests[0].lines:
+        with pytest.raises(ProtocolError, match="not an elockd reply"):
+            op.finish()
+
+
+def test_a_refusal_sent_before_any_request_is_no_foreign_greeting() -> None:
+    core = ClientCore(threading.Event)
+    core.receive(b"0 Too Many Connections\r\n", 0.0)
+    assert isinstance(core.error, ConnectionLost)
+    assert not isinstance(core.error, ProtocolError)
+    assert "'0 Too Many Connections' before any request" in str(core.error)
+
+
+def test_keys_and_replies_in_messages_are_text() -> None:
+    assert printable(b"nightly-backup") == "nightly-backup"
+    assert printable(b"caf\xc3\xa9 \xff\x00\n") == "caf\u00e9 \\xff\\x00\\n"
+    core = ClientCore(threading.Event)
+    op = core.lock("jobk", 0.0, None, None, None)
+    core.receive(b"409 Unavailable\r\n403 Not Locked\r\n", 1.0)
+    with pytest.raises(Unavailable) as refused:
+        op.finish()
+    assert str(refused.value) == "lock 'jobk' unavailable"
+    with pytest.raises(ValueError, match="'a b'"):
+        core.lock("a b", 0.0, None, None, None)

@@ -24,9 +24,11 @@ from elockd.client import (
     Hold,
     KeyBusy,
     LockLost,
+    ProtocolError,
     ReplyTimeout,
     Unavailable,
 )
+from tests.foreign_service import foreign_service
 from tests.server_process import start_server, stop_server
 
 
@@ -284,3 +286,27 @@ def test_both_clients_over_a_unix_socket(tmp_path: Path) -> None:
         assert second is not None and hold.token is not None and second > hold.token
     finally:
         stop_server(process)
+
+
+def test_auth_required_and_a_foreign_service_are_errors_not_answers(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("letmein\n")
+    process, port = start_server("--auth-token-file", str(token))
+    try:
+        with BlockingClient(port=port) as anonymous:
+            with pytest.raises(AuthError, match="i: 0 Auth Required"):
+                anonymous.command("i k", check=True)
+            with pytest.raises(AuthError, match="q: 0 Auth Required"):
+                anonymous.command("q", check=True)
+        with BlockingClient(port=port, auth_token="letmein") as client:
+            assert client.command("i k", check=True) == [b"0 Not Locked"]
+    finally:
+        stop_server(process)
+    with foreign_service() as port:
+        start = time.monotonic()
+        with (
+            BlockingClient(port=port, reply_timeout=600) as client,
+            pytest.raises(ProtocolError, match="not an elockd reply: 'SSH-2.0-"),
+        ):
+            client.command("i k", check=True)
+        assert time.monotonic() - start < 30, "it waited for a reply instead of failing"

@@ -19,6 +19,7 @@ import pytest
 
 from elockd.cli import build_parser
 from elockd.client import BlockingClient
+from tests.foreign_service import foreign_service
 from tests.server_process import start_server, stop_server
 
 CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
@@ -42,15 +43,18 @@ def probe(port: int, *argv: str, timeout: float = 10) -> subprocess.CompletedPro
     )
 
 
+def answer(port: int, *argv: str) -> tuple[int, str]:
+    """The probe's exit status and what it printed on stdout."""
+    result = probe(port, *argv)
+    return result.returncode, result.stdout
+
+
 def test_probe_ping_and_terse_verbs(port: int) -> None:
-    result = probe(port)
-    assert (result.returncode, result.stdout) == (0, "200 PONG\n")
-    result = probe(port, "i", "probe-key")
-    assert (result.returncode, result.stdout) == (1, "0 Not Locked\n")
+    assert answer(port) == (0, "200 PONG\n")
+    assert answer(port, "i", "probe-key") == (1, "0 Not Locked\n")
     with BlockingClient(port=port) as holder:
         holder.command("g probe-key")
-        result = probe(port, "i", "probe-key")
-        assert (result.returncode, result.stdout) == (0, "1 Locked\n")
+        assert answer(port, "i", "probe-key") == (0, "1 Locked\n")
         assert probe(port, "lock", "probe-key").returncode == 1  # 409 Unavailable
         assert probe(port, "lock", "probe-free").returncode == 0  # 200 Acquired
     result = probe(port, "q")
@@ -73,16 +77,84 @@ def test_probe_fails_fast_without_a_server() -> None:
     assert time.monotonic() - start < 5
 
 
-def test_probe_with_auth(tmp_path: Path) -> None:
+def one_line(stderr: str) -> str:
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", [["ping"], ["i", "k"], ["si", "k"], ["q"], ["stats"]])
+def test_probe_without_a_needed_token_cannot_tell(
+    token_server: tuple[int, Path], argv: list[str]
+) -> None:
+    """``0 Auth Required`` is no "not locked": a cron guard ``probe i job || run-job``
+    must not run the job because the probe had no token."""
+    port, token = token_server
+    result = probe(port, *argv)
+    assert (result.returncode, result.stdout) == (3, "")
+    assert "auth required" in one_line(result.stderr)
+    assert probe(port, "-a", str(token), *argv).returncode == (1 if argv[0] in ("i", "si") else 0)
+
+
+def test_probe_with_a_refused_token_cannot_tell(
+    token_server: tuple[int, Path], tmp_path: Path
+) -> None:
+    port, _ = token_server
+    wrong = tmp_path / "wrong"
+    wrong.write_text("guess\n")
+    result = probe(port, "-a", str(wrong), "i", "k")
+    assert (result.returncode, result.stdout) == (3, "")
+    assert "auth refused: 403 Bad Token" in one_line(result.stderr)
+
+
+@pytest.mark.parametrize("argv", [["ping"], ["i", "k"], ["q"], ["lock", "k"]])
+def test_probe_against_a_foreign_service_cannot_tell(argv: list[str], tmp_path: Path) -> None:
+    """sshd on the port: its banner is no reply. It keeps the connection open, so
+    only reading the banner for what it is ends the probe before its -t."""
     token = tmp_path / "token"
     token.write_text("letmein\n")
-    server, port = start_server("--auth-token-file", str(token))
+    with foreign_service() as port:
+        for auth in ([], ["-a", str(token)]):
+            result = probe(port, "-t", "600", *auth, *argv, timeout=60)
+            assert (result.returncode, result.stdout) == (3, "")
+            line = one_line(result.stderr)
+            assert "not an elockd reply: 'SSH-2.0-OpenSSH_9.2p1" in line
+
+
+def test_probe_reads_glockd_replies() -> None:
+    server, port = start_server("--replies", "glockd")
     try:
-        assert probe(port, "-a", str(token), "ping").returncode == 0
-        result = probe(port, "ping")
-        assert (result.returncode, result.stdout) == (1, "403 Auth Required\n")
+        assert answer(port, "i", "probe-glockd") == (1, "0 Lock Not Locked: probe-glockd\n")
+        with BlockingClient(port=port) as holder:
+            holder.command("g probe-glockd")
+            assert answer(port, "i", "probe-glockd") == (0, "1 Lock Is Locked: probe-glockd\n")
+            assert probe(port, "g", "probe-glockd").returncode == 1
     finally:
         stop_server(server)
+
+
+@pytest.mark.parametrize(
+    "argv, complaint",
+    [
+        (["-p", "abc", "ping"], "-p 'abc' is not a port number"),
+        (["-p", "70000", "ping"], "-p 70000 is not a port number"),
+        (["-t", "soon", "ping"], "-t 'soon' is not a number of seconds"),
+        (["-a", "/nonexistent/token", "ping"], "-a /nonexistent/token: cannot be read"),
+        (["-x", "ping"], "unknown option -x"),
+        (["-p"], "-p needs a value"),
+    ],
+)
+def test_probe_usage_errors_are_one_line(argv: list[str], complaint: str) -> None:
+    result = subprocess.run(["bash", str(PROBE), *argv], capture_output=True, text=True, timeout=10)
+    assert result.returncode == 2
+    assert complaint in one_line(result.stderr)
+
+
+def test_probe_malformed_requests_are_usage_errors(port: int) -> None:
+    for argv in (["lock"], ["frobnicate"]):  # 400 Bad Request, 0 Invalid Command
+        result = probe(port, *argv)
+        assert (result.returncode, result.stdout) == (2, "")
+        assert "refused the request" in one_line(result.stderr)
 
 
 def check(port: int, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -123,8 +195,65 @@ def test_nagios_check_ok_warning_critical(port: int, tmp_path: Path) -> None:
 def test_nagios_check_unknown_without_a_server() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        result = check(sock.getsockname()[1])
-    assert result.returncode == 3 and result.stdout.startswith("ELOCKD UNKNOWN")
+        port = sock.getsockname()[1]
+        result = check(port)
+    assert result.returncode == 3
+    assert (
+        result.stdout == f"ELOCKD UNKNOWN - 127.0.0.1:{port}: cannot connect: Connection refused\n"
+    )
+
+
+def test_nagios_check_without_a_needed_token_is_unknown_at_once(
+    token_server: tuple[int, Path], tmp_path: Path
+) -> None:
+    """``0 Auth Required`` comes instead of the counters, with no END: UNKNOWN with
+    the reason right away, not "timed out" after -t (far longer than this test)."""
+    port, token = token_server
+    result = check(port, "-t", "600", "--state-file", str(tmp_path / "state"))
+    assert result.returncode == 3
+    assert result.stdout.startswith(f"ELOCKD UNKNOWN - 127.0.0.1:{port}: auth required: ")
+    assert "--auth-token-file" in result.stdout and "timed out" not in result.stdout
+    wrong = tmp_path / "wrong"
+    wrong.write_text("guess\n")
+    result = check(port, "--auth-token-file", str(wrong), "--state-file", str(tmp_path / "s"))
+    assert result.returncode == 3 and "auth refused: 403 Bad Token" in result.stdout
+    good = check(port, "--auth-token-file", str(token), "--state-file", str(tmp_path / "s"))
+    assert good.returncode == 0 and good.stdout.startswith("ELOCKD OK - ")
+
+
+def test_nagios_check_against_a_foreign_service_is_unknown(tmp_path: Path) -> None:
+    with foreign_service() as port:
+        result = check(port, "-t", "600", "--state-file", str(tmp_path / "state"))
+    assert result.returncode == 3
+    assert result.stdout == (
+        f"ELOCKD UNKNOWN - 127.0.0.1:{port}: not an elockd reply to q: "
+        "'SSH-2.0-OpenSSH_9.2p1 Debian-2+deb12u3'\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, complaint",
+    [
+        (["--waiting-warning", "lots"], "--waiting-warning: 'lots' is not a number"),
+        (["-p", "http"], "-p/--port: 'http' is not a port number"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_nagios_check_usage_errors_are_unknown(argv: list[str], complaint: str) -> None:
+    """Nagios reads 2 as CRITICAL: a wrong command line is UNKNOWN, on stdout."""
+    result = subprocess.run(
+        [sys.executable, str(CHECK), *argv], capture_output=True, text=True, timeout=20
+    )
+    assert result.returncode == 3
+    assert result.stdout.startswith("ELOCKD UNKNOWN - usage: ") and complaint in result.stdout
+    assert "invalid" not in result.stdout and result.stdout.count("\n") == 1
+
+
+def test_nagios_check_names_a_state_file_it_cannot_write(port: int, tmp_path: Path) -> None:
+    state = tmp_path / "missing-directory" / "state.json"
+    result = check(port, "--state-file", str(state))
+    assert result.returncode == 3
+    assert f"--state-file {state}: No such file or directory" in result.stdout
 
 
 @pytest.mark.parametrize("mode", [[], ["--threads"]])

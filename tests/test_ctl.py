@@ -16,12 +16,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from elockd import ctl
+from elockd import ctl, ctl_args, ctl_lock
 from elockd.client import BlockingClient
+from elockd.ctl_status import EXIT_ERROR, EXIT_FALSE, EXIT_LOST, EXIT_USAGE
+from tests.foreign_service import foreign_service
 from tests.server_process import start_server, stop_server
 
 
@@ -113,7 +116,7 @@ def test_a_reader_that_leaves_early_gets_a_quiet_exit(port: int) -> None:
 
 
 def test_unreachable_server_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
-    assert ctl.main(["--port", "1", "--connect-timeout", "1", "i", "k"]) == ctl.EXIT_ERROR
+    assert ctl.main(["--port", "1", "--connect-timeout", "1", "i", "k"]) == EXIT_ERROR
     assert "cannot connect" in capsys.readouterr().err
 
 
@@ -262,13 +265,13 @@ def test_ctrl_c_on_a_terminal_reaches_the_command_once(port: int, tmp_path: Path
 
 def test_only_terminal_signals_in_the_foreground_are_not_forwarded() -> None:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        assert ctl.should_forward(signum, lambda: True)
-        assert ctl.should_forward(signum, lambda: False)
+        assert ctl_lock.should_forward(signum, lambda: True)
+        assert ctl_lock.should_forward(signum, lambda: False)
     for signum in (signal.SIGINT, signal.SIGQUIT):
-        assert not ctl.should_forward(signum, lambda: True)
-        assert ctl.should_forward(signum, lambda: False)
+        assert not ctl_lock.should_forward(signum, lambda: True)
+        assert ctl_lock.should_forward(signum, lambda: False)
     asked: list[bool] = []
-    assert ctl.should_forward(signal.SIGTERM, lambda: asked.append(True) or True)
+    assert ctl_lock.should_forward(signal.SIGTERM, lambda: asked.append(True) or True)
     assert asked == [], "the terminal is asked about INT and QUIT only"
 
 
@@ -276,25 +279,25 @@ def test_in_terminal_foreground(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     tty = tmp_path / "tty"
     tty.write_text("")
     monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp())
-    assert ctl.in_terminal_foreground(str(tty))
+    assert ctl_lock.in_terminal_foreground(str(tty))
     monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp() + 1)
-    assert not ctl.in_terminal_foreground(str(tty))  # a background job
+    assert not ctl_lock.in_terminal_foreground(str(tty))  # a background job
 
     def not_a_tty(fd: int) -> int:
         raise OSError(errno.ENOTTY, "not a tty")
 
     monkeypatch.setattr(os, "tcgetpgrp", not_a_tty)
-    assert not ctl.in_terminal_foreground(str(tty))
+    assert not ctl_lock.in_terminal_foreground(str(tty))
     # No controlling terminal: standard input is asked instead, if there is one.
     missing = str(tmp_path / "missing")
     monkeypatch.setattr(sys, "stdin", io.StringIO())  # fileno() raises
-    assert not ctl.in_terminal_foreground(missing)
+    assert not ctl_lock.in_terminal_foreground(missing)
     monkeypatch.setattr(sys, "stdin", None)
-    assert not ctl.in_terminal_foreground(missing)
+    assert not ctl_lock.in_terminal_foreground(missing)
     with open(tty) as stdin:
         monkeypatch.setattr(sys, "stdin", stdin)
         monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp() if fd == stdin.fileno() else 0)
-        assert ctl.in_terminal_foreground(missing)
+        assert ctl_lock.in_terminal_foreground(missing)
 
 
 def test_the_command_is_terminated_when_the_lock_is_lost(tmp_path: Path) -> None:
@@ -309,7 +312,7 @@ def test_the_command_is_terminated_when_the_lock_is_lost(tmp_path: Path) -> None
         wait_for_file(ready)
         server.kill()
         _, err = process.communicate(timeout=10)
-        assert process.returncode == ctl.EXIT_LOST
+        assert process.returncode == EXIT_LOST
         assert (tmp_path / "child.signal").read_text() == "SIGTERM"
         assert "lock lost" in err
     finally:
@@ -338,9 +341,235 @@ def test_tls_and_auth_options(tls_files: dict[str, str]) -> None:
     ]
     try:
         assert run(port, *tls, "--auth-token-file", paths["token"], "g", "k") == 0
-        assert run(port, *tls, "g", "k") == 1  # 0 Auth Required
-        assert run(port, "--tls-ca", paths["ca"], "i", "k") == ctl.EXIT_ERROR  # no client cert
+        assert run(port, *tls, "g", "k") == EXIT_ERROR  # 0 Auth Required: cannot tell
+        assert run(port, "--tls-ca", paths["ca"], "i", "k") == EXIT_ERROR  # no client cert
         argv = elockctl(port, *tls, "--auth-token-file", paths["token"], "lock", "k", "--")
         assert subprocess.run([*argv, "true"], timeout=20).returncode == 0
     finally:
         stop_server(server)
+
+
+# ---------------------------------------------------------------- honest exit codes
+
+
+def ctl_process(port: int, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """elockctl as a shell sees it: exit status, stdout, stderr."""
+    return subprocess.run(elockctl(port, *argv), capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(stderr: str) -> str:
+    """The single line a failure may print: never a traceback, never two lines."""
+    assert "Traceback" not in stderr and "Error:" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["i", "k"],
+        ["si", "k"],
+        ["g", "k"],
+        ["q"],
+        ["stats"],
+        ["info", "k"],
+        ["dump"],
+        ["lock", "k", "--", "true"],
+        ["lock", "k", "-c", "true"],
+    ],
+)
+def test_a_missing_token_is_could_not_tell(token_server: tuple[int, Path], argv: list[str]) -> None:
+    """``0 Auth Required`` starts with a 0, but it is no "not locked": a cron guard
+    ``elockctl i job || run-job`` must not run the job because of it."""
+    port, _ = token_server
+    result = ctl_process(port, *argv)
+    assert result.returncode == EXIT_ERROR, result
+    assert result.stdout == ""
+    line = one_line(result.stderr)
+    assert f"127.0.0.1:{port}" in line and "Auth Required" in line and "--auth-token-file" in line
+
+
+def test_a_refused_token_is_could_not_tell(token_server: tuple[int, Path], tmp_path: Path) -> None:
+    port, token = token_server
+    wrong = tmp_path / "wrong"
+    wrong.write_text("guess\n")
+    for argv in (["i", "k"], ["lock", "k", "--", "true"]):
+        result = ctl_process(port, "--auth-token-file", str(wrong), *argv)
+        assert result.returncode == EXIT_ERROR, result
+        assert "403 Bad Token" in one_line(result.stderr)
+    good = ctl_process(port, "--auth-token-file", str(token), "i", "k")
+    assert (good.returncode, good.stdout) == (1, "0 Not Locked\n")  # a real "no"
+
+
+@pytest.mark.parametrize(
+    "argv", [["i", "k"], ["g", "k"], ["q"], ["stats"], ["dump"], ["lock", "k", "--", "true"]]
+)
+def test_a_foreign_service_is_could_not_tell(argv: list[str]) -> None:
+    """A wrong port where sshd listens: its banner is no reply. The connection stays
+    open, so only reading the banner for what it is ends this before --timeout."""
+    with foreign_service() as port:
+        result = ctl_process(port, "--timeout", "600", *argv, timeout=60)
+    assert result.returncode == EXIT_ERROR, result
+    line = one_line(result.stderr)
+    assert f"127.0.0.1:{port}" in line and "not an elockd reply: 'SSH-2.0-OpenSSH" in line
+
+
+def test_a_key_with_a_blank_is_a_usage_error(port: int) -> None:
+    for argv in (["lock", "a b", "--", "true"], ["info", "a b"], ["lock", "", "-c", "true"]):
+        result = ctl_process(port, *argv)
+        assert result.returncode == EXIT_USAGE, result
+        line = one_line(result.stderr)
+        assert "cannot be sent" in line and "b'a" not in line
+    assert "key 'a b' cannot be sent" in ctl_process(port, "lock", "a b", "--", "true").stderr
+    # The terse probes take keys with blanks (the rest of the line is the key).
+    assert ctl_process(port, "i", "a b").returncode == EXIT_FALSE
+
+
+def test_lock_exits_3_when_the_server_stops_while_it_waits() -> None:
+    server, port = start_server()
+    try:
+        with BlockingClient(port=port) as holder:
+            holder.command("g ctl-stopping")
+            waiting = subprocess.Popen(
+                elockctl(port, "lock", "ctl-stopping", "-w", "60", "--", "true"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            deadline = time.monotonic() + 20
+            while holder.info("ctl-stopping").waiting < 1:  # it waits on the server now
+                assert waiting.poll() is None, waiting.communicate()
+                assert time.monotonic() < deadline, "elockctl never waited"
+                time.sleep(0.02)
+            server.kill()
+            server.wait()
+            _, err = waiting.communicate(timeout=20)
+    finally:
+        stop_server(server)
+    assert waiting.returncode == EXIT_ERROR, err
+    line = one_line(err)
+    assert f"127.0.0.1:{port}" in line and "before the lock was granted" in line
+
+
+def test_a_missing_token_file_is_a_usage_error_naming_it(port: int, tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    result = ctl_process(port, "--auth-token-file", str(missing), "i", "k")
+    assert result.returncode == EXIT_USAGE
+    assert f"--auth-token-file {missing}: No such file" in one_line(result.stderr)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    result = ctl_process(port, "--auth-token-file", str(empty), "i", "k")
+    assert result.returncode == EXIT_USAGE and "not empty" in one_line(result.stderr)
+
+
+# ---------------------------------------------------------------- flock's options
+
+
+def test_nonblock_fails_at_once_when_held(port: int) -> None:
+    with BlockingClient(port=port) as holder, holder.lock("ctl-nb"):
+        result = ctl_process(port, "lock", "-n", "ctl-nb", "--", "true")
+        assert result.returncode == 1
+        assert one_line(result.stderr) == "elockctl: lock 'ctl-nb' unavailable"
+        assert ctl_process(port, "lock", "-n", "-E", "9", "ctl-nb", "-c", "true").returncode == 9
+    assert ctl_process(port, "lock", "-n", "ctl-nb", "--", "true").returncode == 0
+
+
+def test_wait_gives_up_with_the_conflict_code_or_gets_the_lock(port: int, tmp_path: Path) -> None:
+    with BlockingClient(port=port) as holder:
+        hold = holder.acquire("ctl-w")
+        assert ctl_process(port, "lock", "-w", "0.2", "ctl-w", "--", "true").returncode == 1
+        assert ctl_process(port, "lock", "ctl-w", "-w", "0.2", "-E", "5", "-c", ":").returncode == 5
+        done = tmp_path / "done"
+        waiting = subprocess.Popen(
+            elockctl(port, "lock", "-w", "30", "ctl-w", "-c", f"echo ran > {done}")
+        )
+        deadline = time.monotonic() + 20
+        while holder.info("ctl-w").waiting < 1:
+            assert waiting.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not done.exists()  # it waits for the lock before running
+        holder.release(hold)
+        assert waiting.wait(timeout=30) == 0
+    assert done.read_text() == "ran\n"
+
+
+def test_command_runs_through_the_shell(port: int, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = ctl_process(port, "lock", "ctl-c", "-c", f'echo "$((6 * 7))" > {out}; exit 7')
+    assert result.returncode == 7
+    assert out.read_text() == "42\n"
+    assert ctl_process(port, "lock", "-s", "ctl-c", "-c", "exit 0").returncode == 0
+
+
+@pytest.mark.parametrize(
+    "argv, complaint",
+    [
+        (["lock", "k", "-c", "true", "--", "true"], "not both"),
+        (["lock", "k", "-n", "-w", "3", "--", "true"], "not allowed with"),
+        (["lock", "k"], "missing COMMAND"),
+        (["lock", "k", "--wait", "abc", "--", "true"], "--wait: 'abc' is not a number of seconds"),
+        (["lock", "k", "--limit", "0", "-s", "--", "true"], "--limit: '0' is not a whole number"),
+        (["lock", "k", "-E", "300", "--", "true"], "'300' is not an exit status"),
+        (["--port", "99999", "i", "k"], "--port: '99999' is not a port number"),
+        (["--timeout", "-1", "i", "k"], "--timeout: '-1' is not a number of seconds"),
+        (["--tls-ca", "/nonexistent/ca.pem", "i", "k"], "--tls-ca /nonexistent/ca.pem: No such"),
+        (["--tls-key", "/nonexistent/key.pem", "i", "k"], "--tls-key needs --tls-cert"),
+        (["i", "a\nb"], "a key cannot hold a line end"),
+    ],
+)
+def test_usage_errors_are_one_line_in_words(argv: list[str], complaint: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "elockd.ctl", *argv], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == EXIT_USAGE
+    line = one_line(result.stderr)
+    assert complaint in line
+    for internal in ("invalid", "_float", "_int", "positive_", "non_negative"):
+        assert internal not in line
+
+
+def test_g_and_sg_say_the_hold_ended_with_the_connection(port: int) -> None:
+    for verb in ("g", "sg"):
+        result = ctl_process(port, verb, "ctl-oneshot")
+        assert result.returncode == 0 and result.stdout.endswith("Got Lock\n")
+        assert "ended with this command's connection" in one_line(result.stderr)
+    with BlockingClient(port=port) as client:
+        assert not client.info("ctl-oneshot").locked  # it did end
+    probe = ctl_process(port, "i", "ctl-oneshot")
+    assert (probe.returncode, probe.stderr) == (1, "")
+    with BlockingClient(port=port) as holder:
+        holder.command("g ctl-oneshot")
+        refused = ctl_process(port, "g", "ctl-oneshot")
+        assert (refused.returncode, refused.stderr) == (1, "")  # nothing held, nothing said
+
+
+# ---------------------------------------------------------------- humane help
+
+
+def all_parsers() -> list[ctl_args.Parser]:
+    parser = ctl_args.build_parser()
+    return [parser, *parser.commands.values()]
+
+
+def test_every_option_has_help_and_no_default_reads_none() -> None:
+    for parser in all_parsers():
+        for action in parser._actions:
+            assert action.help, f"{parser.prog}: {action.option_strings or action.dest}"
+        text = parser.format_help()
+        assert "default: None" not in text and "(default: False)" not in text, parser.prog
+
+
+def test_the_lock_epilog_documents_every_exit_status() -> None:
+    text = ctl_args.build_parser().commands["lock"].format_help()
+    for status in ("COMMAND's own", "128+N", "1 ", "2 ", "3 ", "75", "126", "127"):
+        assert status in text, status
+    for option in ("-w", "-n", "-c", "-E", "-s"):
+        assert option in text
+
+
+def test_version_comes_from_the_package() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "elockd.ctl", "--version"], capture_output=True, text=True
+    )
+    assert (result.returncode, result.stdout) == (0, f"elockctl {metadata.version('elockd')}\n")

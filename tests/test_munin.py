@@ -16,7 +16,10 @@ import pytest
 import trio
 import trio.testing
 
+from elockd.config import Config
+from elockd.server import make_service, serve
 from tests.conftest import RunningServer
+from tests.foreign_service import foreign_service
 
 PLUGIN = Path(__file__).resolve().parent.parent / "munin" / "elockd_"
 
@@ -35,7 +38,7 @@ class Munin:
         self.name = name
         self.plugins = root / "plugins"
         self.conf = root / "plugin-conf.d"
-        self.plugins.mkdir()
+        self.plugins.mkdir(parents=True)
         self.conf.mkdir()
         (self.plugins / name).symlink_to(PLUGIN)
         lines = ["[elockd_*]"]
@@ -161,8 +164,8 @@ async def test_server_down(tmp_path: Path) -> None:
     port = closed_port()
     munin = Munin(tmp_path, f"elockd_{port}", {})
     code, out, err = await munin.run()
-    assert code != 0
-    assert f"cannot reach elockd at 127.0.0.1:{port}" in err
+    assert code == 3  # cannot tell
+    assert f"cannot reach elockd at 127.0.0.1:{port}: Connection refused" in err
     values = [line.split(" ")[1] for line in out.splitlines() if ".value " in line]
     assert values and set(values) == {"U"}  # unknown: a gap in the graphs, not a zero
     code, out, _ = await munin.run("autoconf")
@@ -172,3 +175,71 @@ async def test_server_down(tmp_path: Path) -> None:
     code, out, err = await munin.run("config")  # config needs no server
     assert (code, err) == (0, "")
     assert f"elockd_{port}_locks" in graphs(out)
+
+
+def unknown_values(output: str) -> set[str]:
+    values = {line.split(" ")[1] for line in output.splitlines() if ".value " in line}
+    assert values, output
+    return values
+
+
+async def start_with_token(nursery: trio.Nursery, tmp_path: Path) -> int:
+    token = tmp_path / "token"
+    token.write_text("letmein\n")
+    config = Config(host="127.0.0.1", port=0, metrics_port=0, auth_token_file=str(token))
+    addresses = await nursery.start(serve, config, make_service(config))
+    port: int = addresses[0][1]
+    return port
+
+
+async def test_a_token_the_server_wants_is_said_not_timed_out(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """Without env.token the server answers `q` with ``0 Auth Required`` and no END:
+    the plugin says so at once (with a timeout far beyond the test's), draws gaps,
+    and exits 3, "cannot tell"."""
+    port = await start_with_token(nursery, tmp_path)
+    munin = Munin(tmp_path / "anonymous", f"elockd_{port}", {"timeout": "600"})
+    with trio.fail_after(60):
+        code, out, err = await munin.run()
+    assert code == 3
+    assert "auth required (0 Auth Required): set env.token" in err and "timed out" not in err
+    assert unknown_values(out) == {"U"}
+    code, out, _ = await munin.run("autoconf")
+    assert code == 0 and out.startswith("no (") and "auth required" in out
+    refused = Munin(tmp_path / "refused", f"elockd_{port}", {"token": "guess"})
+    code, out, err = await refused.run()
+    assert code == 3 and "refused env.token: auth refused (403 Bad Token)" in err
+    assert unknown_values(out) == {"U"}
+    good = Munin(tmp_path / "good", f"elockd_{port}", {"token": "letmein"})
+    code, out, err = await good.run()
+    assert (code, err) == (0, "") and "U" not in unknown_values(out)
+
+
+async def test_a_foreign_service_is_no_server_and_no_timeout(tmp_path: Path) -> None:
+    with foreign_service() as port:
+        munin = Munin(tmp_path, f"elockd_{port}", {"timeout": "600"})
+        with trio.fail_after(60):
+            code, out, err = await munin.run()
+    assert code == 3
+    assert f"127.0.0.1:{port} is not elockd? it answered `q` with 'SSH-2.0-OpenSSH" in err
+    assert unknown_values(out) == {"U"}
+
+
+@pytest.mark.parametrize(
+    "env, complaint",
+    [
+        ({"port": "abc"}, "env.port 'abc' is not a port number"),
+        ({"port": "70000"}, "env.port '70000' is not a port number"),
+        ({"timeout": "soon"}, "env.timeout 'soon' is not a number of seconds"),
+    ],
+)
+async def test_bad_settings_are_named_in_one_line(
+    tmp_path: Path, env: dict[str, str], complaint: str
+) -> None:
+    munin = Munin(tmp_path, "elockd_main", env)
+    for command in ("config", "fetch"):
+        code, out, err = await munin.run(command)
+        assert (code, out) == (2, "")
+        [line] = err.splitlines()  # one line, no traceback
+        assert line.startswith(f"elockd_: {complaint}")

@@ -5,6 +5,8 @@ so everything else is written once, here or in :mod:`elockd.client.core`."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import ssl
 from collections.abc import Callable, Iterable
 from typing import ClassVar
@@ -15,6 +17,7 @@ from elockd.client.core import (
     ClientCore,
     Hold,
     Settable,
+    quoted,
 )
 
 log = logging.getLogger("elockd.client")
@@ -64,9 +67,30 @@ class ClientBase:
         """Log each lost hold and call its ``on_lost``; a failing callback is logged,
         never raised into the client's I/O."""
         for hold in lost:
-            log.warning("lock %r lost: %s", hold.key, hold.lost_reason)
+            log.warning("lock %s lost: %s", quoted(hold.key), hold.lost_reason)
             if hold.on_lost is not None:
                 try:
                     hold.on_lost(hold)
                 except Exception:
-                    log.exception("on_lost callback of %r failed", hold.key)
+                    log.exception("on_lost callback of %s failed", quoted(hold.key))
+
+
+def describe(error: BaseException) -> str:
+    """Why a connection failed, in the words an operator knows (``Connection
+    refused``, ``timed out``, the TLS verification message), not a Python repr."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return f"TLS: the server's certificate was not accepted ({error.verify_message})"
+    if isinstance(error, ssl.SSLError):
+        return f"TLS: {error.reason or error}"
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    if isinstance(error, socket.gaierror) and error.strerror:
+        return error.strerror
+    if isinstance(error, OSError) and error.errno:
+        return os.strerror(error.errno)
+    cause = error.__cause__
+    while isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+        cause = cause.exceptions[0]  # trio's "all attempts to connect failed"
+    if cause is not None:
+        return describe(cause)
+    return str(error) or type(error).__name__

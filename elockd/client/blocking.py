@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from elockd.client import core
-from elockd.client.base import ClientBase
+from elockd.client.base import ClientBase, describe
 from elockd.client.core import (
     Hold,
     KeyLike,
@@ -79,7 +79,7 @@ class BlockingClient(ClientBase):
             sock = self._open_socket()
         except (OSError, ssl.SSLError) as error:
             self._close_wakeup()
-            raise ConnectFailed(f"cannot connect to {self._where()}: {error!r}") from error
+            raise ConnectFailed(f"cannot connect to {self._where()}: {describe(error)}") from error
         sock.setblocking(False)
         self._sock = sock
         self._thread = threading.Thread(
@@ -181,7 +181,7 @@ class BlockingClient(ClientBase):
             with self._lock:
                 lost = error if isinstance(error, ConnectionLost) else None
                 self.core.fail(
-                    lost or ConnectionLost(f"connection to {self._where()}: {error!r}"),
+                    lost or ConnectionLost(f"connection to {self._where()}: {describe(error)}"),
                     self._now(),
                 )
             self._fire_lost()
@@ -372,10 +372,12 @@ class BlockingClient(ClientBase):
         line = b"set_timeout " + core.number(seconds * 1000, "grace")
         self._run(lambda now: self.core.simple(line, now, core.parse_ok(b"200 timeout set")))
 
-    def command(self, line: str | bytes) -> list[bytes]:
-        """Send any one request line; its reply lines (``END`` dropped)."""
+    def command(self, line: str | bytes, *, check: bool = False) -> list[bytes]:
+        """Send any one request line; its reply lines (``END`` dropped). With
+        ``check`` a reply that is neither a yes nor a no raises (see the trio client)."""
         raw = core.raw_line(line)
-        return self._run(lambda now: self.core.simple(raw, now, core.parse_lines))
+        parse = core.parse_checked if check else core.parse_lines
+        return self._run(lambda now: self.core.simple(raw, now, parse))
 
     @property
     def holds(self) -> list[Hold]:

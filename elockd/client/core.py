@@ -36,6 +36,7 @@ from elockd.client.errors import (
     ConnectionLost,
     KeyBusy,
     LockLost,
+    ProtocolError,
     ReplyTimeout,
     RequestError,
     Unavailable,
@@ -50,7 +51,40 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 #: Verbs whose reply is several lines ending in ``END`` (when not refused).
 MULTILINE_VERBS = frozenset({b"stats", b"q", b"d", b"sd", b"dump", b"who"})
 #: A multi-line request answered with one of these got a one-line refusal instead.
-_ONE_LINE_REFUSALS = frozenset({b"0 Auth Required", b"0 Line Too Long", b"403 Auth Required"})
+_ONE_LINE_REFUSALS = frozenset(
+    {
+        b"0 Auth Required",
+        b"0 Line Too Long",
+        b"403 Auth Required",
+        b"0 Backend Unavailable",
+        b"409 Backend Unavailable",
+        b"0 Too Many Connections",
+    }
+)
+#: The server's answers to a missing or wrong ``auth`` token.
+AUTH_REFUSALS = frozenset({b"0 Auth Required", b"403 Auth Required", b"403 Bad Token"})
+#: Every one-line reply of both families starts with its integer and a blank.
+_ONE_LINE_REPLY = re.compile(rb"\d+ ")
+#: What a terse probe's reply may say after its leading integer: the texts that mean
+#: yes (integer above 0) and no (integer 0), each as elockd's whole text and the
+#: start of glockd's (which goes on with the key). ``sg`` has no "no". Anything
+#: else (``0 Auth Required``, ``0 Backend Unavailable``, ``0 Too Many Holds``, a
+#: foreign line) answers neither.
+Answer = tuple[bytes, bytes]
+TERSE_ANSWERS: dict[bytes, tuple[Answer, Answer | None]] = {
+    b"g": ((b"Got Lock", b"Lock Get Success: "), (b"Cannot Get Lock", b"Lock Get Failure: ")),
+    b"r": (
+        (b"Released Lock", b"Lock Release Success: "),
+        (b"Cannot Release Lock", b"Lock Release Failure: "),
+    ),
+    b"i": ((b"Locked", b"Lock Is Locked: "), (b"Not Locked", b"Lock Not Locked: ")),
+    b"sg": ((b"Got Lock", b"Shared Lock Get Success: "), None),
+    b"sr": (
+        (b"Released Lock", b"Shared Lock Release Success: "),
+        (b"Cannot Release Lock", b"Shared Lock Release Failure: "),
+    ),
+    b"si": ((b"Locked", b"Shared Lock Is Locked: "), (b"Not Locked", b"Shared Lock Not Locked: ")),
+}
 
 _INFO = re.compile(
     rb"200 key=(?P<key>.*) exclusive=(?P<owner>.*) shared=(?P<shared>\d+)"
@@ -189,7 +223,7 @@ class Hold:
 
     def raise_if_lost(self) -> None:
         if self.lost:
-            raise LockLost(f"lock {self.key!r} lost: {self.lost_reason}", self)
+            raise LockLost(f"lock {quoted(self.key)} lost: {self.lost_reason}", self)
 
 
 @dataclass(frozen=True)
@@ -238,11 +272,30 @@ def _abandon_nothing(now: float) -> None:
     return None
 
 
+def printable(data: bytes) -> str:
+    """Bytes from the wire as text for a message: UTF-8 where it decodes, the rest
+    and anything unprintable escaped (``\\n``, ``\\xff``), never Python's ``b'…'``."""
+    text = data.decode("utf-8", "backslashreplace")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def quoted(data: bytes) -> str:
+    """:func:`printable` in single quotes: keys and reply lines in messages."""
+    return f"'{printable(data)}'"
+
+
+def is_refusal(line: bytes) -> bool:
+    """A one-line refusal that stands in for a multi-line reply."""
+    return line in _ONE_LINE_REFUSALS or line.startswith(b"400 ")
+
+
 def encode_key(key: KeyLike) -> bytes:
     """A word-family key is one token: bytes, no blanks, no line ends, not empty."""
     raw = key.encode() if isinstance(key, str) else bytes(key)
     if not raw or any(c in raw for c in b" \t\r\n"):
-        raise ValueError(f"a key must be non-empty without blanks or line ends: {key!r}")
+        raise ValueError(f"a key must be non-empty without blanks or line ends: {quoted(raw)}")
     return raw
 
 
@@ -307,37 +360,56 @@ class ClientCore:
         return data
 
     def receive(self, data: bytes, now: float) -> None:
-        """Feed bytes from the server; completes requests in order."""
-        self._buffer += data
-        while self.pending:
-            request = self.pending[0]
-            if request.multiline:
-                lines = self._take_multiline()
-            else:
-                cut = self._buffer.find(b"\r\n")
-                lines = None if cut < 0 else [self._buffer[:cut]]
-                if lines is not None:
-                    self._buffer = self._buffer[cut + 2 :]
-            if lines is None:
-                return
-            self.pending.popleft()
-            request.lines = lines
-            request.arrived = now
-            request.done = True
-            if request.on_reply is not None:
-                request.on_reply(request)
-            request.event.set()
-        if self._buffer:
-            self.fail(ConnectionLost(f"unexpected data from server: {self._buffer[:80]!r}"), now)
+        """Feed bytes from the server; completes requests in order.
 
-    def _take_multiline(self) -> list[bytes] | None:
-        first_end = self._buffer.find(b"\r\n")
-        if first_end < 0:
+        Bytes that are no reply of the protocol (a line without a leading integer, a
+        bare ``\\n``, anything with no request waiting for it) fail the connection
+        with :class:`ProtocolError`: the peer is not elockd, and reading its banner
+        as an answer would turn "cannot tell" into "no".
+        """
+        self._buffer += data
+        try:
+            while self.pending:
+                request = self.pending[0]
+                lines = self._take_reply(request.multiline)
+                if lines is None:
+                    return
+                self.pending.popleft()
+                request.lines = lines
+                request.arrived = now
+                request.done = True
+                if request.on_reply is not None:
+                    request.on_reply(request)
+                request.event.set()
+            if self._buffer:
+                raise self._unasked()
+        except ConnectionLost as error:
+            self.fail(error, now)
+
+    def _take_reply(self, multiline: bool) -> list[bytes] | None:
+        """The next reply's lines (without ``\\r\\n``), None until it is complete."""
+        first = self._first_line()
+        if first is None:
             return None
-        first = self._buffer[:first_end]
-        if first in _ONE_LINE_REFUSALS or first.startswith(b"400 "):
-            self._buffer = self._buffer[first_end + 2 :]
-            return [first]
+        if multiline and not is_refusal(first):
+            if not (first == b"END" or b": " in first or first == b"200 STATS"):
+                raise self._foreign()
+            return self._take_block()
+        if not _ONE_LINE_REPLY.match(first):
+            raise self._foreign()
+        self._buffer = self._buffer[len(first) + 2 :]
+        return [first]
+
+    def _first_line(self) -> bytes | None:
+        cut = self._buffer.find(b"\n")
+        if cut < 0:
+            return None
+        if self._buffer[cut - 1 : cut] != b"\r":
+            raise self._foreign()  # elockd ends every line in \r\n
+        return self._buffer[: cut - 1]
+
+    def _take_block(self) -> list[bytes] | None:
+        """A multi-line reply, up to its ``END`` line."""
         end = b"END\r\n"
         at = 0 if self._buffer.startswith(end) else self._buffer.find(b"\r\n" + end)
         if at < 0:
@@ -346,6 +418,18 @@ class ClientCore:
         block = self._buffer[:stop]
         self._buffer = self._buffer[stop:]
         return block[:-2].split(b"\r\n")
+
+    def _foreign(self) -> ProtocolError:
+        data = self._buffer[:80]
+        return ProtocolError(f"not an elockd reply: {quoted(data.rstrip())}", data)
+
+    def _unasked(self) -> ConnectionLost:
+        """Bytes nobody asked for: elockd's refusal of the connection itself (``0 Too
+        Many Connections``, sent on accept), else a foreign peer's greeting."""
+        if _ONE_LINE_REPLY.match(self._buffer):
+            line = self._buffer.partition(b"\r\n")[0]
+            return ConnectionLost(f"the server said {quoted(line)} before any request")
+        return self._foreign()
 
     def fail(self, error: ConnectionLost, now: float) -> None:
         """The connection is unusable: fail every request, lose every hold."""
@@ -434,7 +518,7 @@ class ClientCore:
         keys = list(keys)
         for key in keys:
             if key in self.holds or key in self._busy:
-                raise KeyBusy(f"this client already holds or is acquiring {key!r}")
+                raise KeyBusy(f"this client already holds or is acquiring {quoted(key)}")
         if self.error is not None:
             raise self.error
         self._busy.update(keys)
@@ -477,11 +561,13 @@ class ClientCore:
         def finish() -> Hold:
             self._busy.discard(raw)
             if lock.code == 409:
-                raise Unavailable(f"lock {raw!r} unavailable")
+                raise Unavailable(f"lock {quoted(raw)} unavailable")
             _expect(lock, b"200 Acquired")
             if token.code != 200:
                 # Lost between the two requests (a lease shorter than a round trip).
-                raise LockLost(f"lock {raw!r} lost right after the grant: {token.reply!r}")
+                raise LockLost(
+                    f"lock {quoted(raw)} lost right after the grant: {quoted(token.reply)}"
+                )
             hold = Hold(
                 (raw,),
                 shared=False,
@@ -532,7 +618,9 @@ class ClientCore:
             code = request.code
             if code == 409:
                 holders = int(request.reply.split()[1])
-                raise Unavailable(f"shared lock {raw!r} full ({holders} holders)", holders=holders)
+                raise Unavailable(
+                    f"shared lock {quoted(raw)} full ({holders} holders)", holders=holders
+                )
             if code != 200:
                 raise _refusal(request)
             holders = int(request.reply.split()[1])
@@ -578,12 +666,14 @@ class ClientCore:
             self._busy.difference_update(raws)
             if request.code == 409:
                 held = tuple(request.reply.split()[2:])
-                raise Unavailable(f"mlock unavailable: {b' '.join(held)!r} held", keys=held)
+                raise Unavailable(f"mlock unavailable: {quoted(b' '.join(held))} held", keys=held)
             _expect(request, b"200 Acquired")
             values: dict[bytes, int] = {}
             for raw, token in zip(raws, tokens, strict=True):
                 if token.code != 200:
-                    raise LockLost(f"lock {raw!r} lost right after the grant: {token.reply!r}")
+                    raise LockLost(
+                        f"lock {quoted(raw)} lost right after the grant: {quoted(token.reply)}"
+                    )
                 values[raw] = int(token.reply.split()[1])
             hold = Hold(raws, shared=False, ttl=ttl, tokens=values, holders=None, on_lost=on_lost)
             self._track(hold, request, now, bool(wait))
@@ -645,10 +735,10 @@ class ClientCore:
 
 def _refusal(request: Request) -> RequestError:
     reply = request.reply
-    text = reply.decode(errors="replace")
-    if reply in (b"403 Auth Required", b"0 Auth Required") or reply.startswith(b"403 Bad Token"):
-        return AuthError(f"{request.line.split(b' ')[0].decode()}: {text}", reply)
-    return RequestError(f"{request.line.split(b' ')[0].decode(errors='replace')}: {text}", reply)
+    message = f"{printable(request_verb(request.line))}: {printable(reply)}"
+    if reply in AUTH_REFUSALS or reply.startswith(b"403 Bad Token"):
+        return AuthError(message, reply)
+    return RequestError(message, reply)
 
 
 def _expect(request: Request, wanted: bytes) -> None:
@@ -715,6 +805,33 @@ def parse_lines(request: Request) -> list[bytes]:
     if request.multiline and lines and lines[-1] == b"END":
         lines.pop()
     return lines
+
+
+def parse_checked(request: Request) -> list[bytes]:
+    """:func:`parse_lines`, but a reply that answers neither yes nor no raises:
+    an auth refusal (:class:`AuthError`), a one-line refusal in place of a
+    multi-line reply, and for the terse probes (``g r i sg sr si``) anything but
+    their own yes and no (:class:`RequestError`)."""
+    reply = request.reply
+    verb = request_verb(request.line)
+    if reply in AUTH_REFUSALS or (request.multiline and is_refusal(reply)):
+        raise _refusal(request)
+    if verb in TERSE_ANSWERS and terse_answer(verb, reply) is None:
+        raise _refusal(request)
+    return parse_lines(request)
+
+
+def terse_answer(verb: bytes, reply: bytes) -> int | None:
+    """A terse probe's leading integer (0 means no) when ``reply`` is one of the
+    answers :data:`TERSE_ANSWERS` lists for ``verb``; None for any other line."""
+    count, _, text = reply.partition(b" ")
+    if not count.isdigit():
+        return None
+    yes, no = TERSE_ANSWERS[verb]
+    answer = yes if int(count) > 0 else no
+    if answer is None or not (text == answer[0] or text.startswith(answer[1])):
+        return None
+    return int(count)
 
 
 def auth_line(token: str | bytes) -> bytes:

@@ -28,6 +28,17 @@ class ReplyTimeout(ConnectionLost):
     the connection cannot skip a late one: it is closed instead of hanging."""
 
 
+class ProtocolError(ConnectionLost):
+    """The peer sent something that is no reply of this protocol (an SSH banner, an
+    HTTP error page, a line without ``\\r\\n``): it is not elockd, or not speaking
+    to this client. Replies can no longer be matched to requests, so the connection
+    is closed like a lost one. ``data`` is the start of what came."""
+
+    def __init__(self, message: str, data: bytes = b"") -> None:
+        super().__init__(message)
+        self.data = data
+
+
 class RequestError(ElockError):
     """The server refused a request (``400``, ``413``, ``0 …``) or said something the
     client did not expect. ``reply`` is the reply line."""

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import trio
 
 from elockd.client import core
-from elockd.client.base import ClientBase
+from elockd.client.base import ClientBase, describe
 from elockd.client.core import (
     Hold,
     KeyLike,
@@ -105,8 +105,12 @@ class Client(ClientBase):
         try:
             with trio.fail_after(self.connect_timeout):
                 self._stream = await self._open_stream()
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError) as error:
-            raise ConnectFailed(f"cannot connect to {self._where()}: {error!r}") from error
+        except trio.TooSlowError as error:
+            raise ConnectFailed(
+                f"cannot connect to {self._where()}: timed out after {self.connect_timeout:g} s"
+            ) from error
+        except (OSError, trio.BrokenResourceError, ssl.SSLError) as error:
+            raise ConnectFailed(f"cannot connect to {self._where()}: {describe(error)}") from error
         for task in (self._reader, self._writer, self._timer):
             scope, done = trio.CancelScope(), trio.Event()
             self._scopes.append(scope)
@@ -119,8 +123,12 @@ class Client(ClientBase):
                     self.core.simple(line, self._now(), core.parse_ok(b"200 OK")),
                     limit=self.connect_timeout,
                 )
-            except BaseException:
+            except BaseException as error:
                 await self.aclose(release=False)
+                if isinstance(error, trio.TooSlowError):
+                    raise ConnectFailed(
+                        f"{self._where()}: no reply to 'auth' within {self.connect_timeout:g} s"
+                    ) from error
                 raise
 
     async def _open_stream(self) -> trio.abc.Stream:
@@ -207,7 +215,9 @@ class Client(ClientBase):
                 try:
                     await task()
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
-                    self._lose_connection(ConnectionLost(f"connection to {self._where()}: {error}"))
+                    self._lose_connection(
+                        ConnectionLost(f"connection to {self._where()}: {describe(error)}")
+                    )
         finally:
             done.set()
 
@@ -418,11 +428,19 @@ class Client(ClientBase):
         line = b"set_timeout " + core.number(seconds * 1000, "grace")
         await self._run(self.core.simple(line, self._now(), core.parse_ok(b"200 timeout set")))
 
-    async def command(self, line: str | bytes) -> list[bytes]:
+    async def command(self, line: str | bytes, *, check: bool = False) -> list[bytes]:
         """Send any one request line and return its reply lines (``END`` dropped):
-        the escape hatch for terse verbs (``g``, ``si``, ``q``, ``d``…)."""
+        the escape hatch for terse verbs (``g``, ``si``, ``q``, ``d``…).
+
+        With ``check``, a reply that answers neither yes nor no raises instead of
+        being returned: :class:`AuthError` when the server wants a token, and
+        :class:`RequestError` for a one-line refusal of a multi-line verb or a terse
+        probe's reply that is not one of its own (``0 Backend Unavailable`` is no
+        "no"). Without it every reply comes back as it is.
+        """
         raw = core.raw_line(line)
-        return await self._run(self.core.simple(raw, self._now(), core.parse_lines))
+        parse = core.parse_checked if check else core.parse_lines
+        return await self._run(self.core.simple(raw, self._now(), parse))
 
     @property
     def holds(self) -> list[Hold]:
