@@ -12,6 +12,7 @@ import re
 from typing import TYPE_CHECKING
 
 from elockd.locks import QueueFull, Waiter
+from elockd.logs import log_auth_failure, log_refusal
 from elockd.protocol import BadRequest, Pending
 from elockd.stats import render_stats
 
@@ -104,6 +105,7 @@ def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
     try:
         waiter = conn.engine.wait_for(conn.session, key, now, ttl, timeout=wait)
     except QueueFull:
+        log_refusal("--max-waiters", conn.peer)
         return TOO_MANY_WAITERS
     if waiter is None:
         return ACQUIRED
@@ -185,6 +187,7 @@ def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
     try:
         result = engine.wait_shared(conn.session, key, now, limit=limit, ttl=ttl, timeout=wait)
     except QueueFull:
+        log_refusal("--max-waiters", conn.peer)
         return TOO_MANY_WAITERS
     if isinstance(result, int):
         return b"200 %d\r\n" % result
@@ -221,12 +224,14 @@ def mlock_args(rest: bytes) -> tuple[list[bytes], float, float | None]:
 def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
     keys, wait, ttl = mlock_args(rest)
     if len(keys) > conn.service.config.max_keys:
+        log_refusal("--max-keys", conn.peer)
         return TOO_MANY_KEYS
     try:
         result = conn.engine.request_many(
             conn.session, keys, now, ttl=ttl, wait=wait > 0, timeout=wait
         )
     except QueueFull:
+        log_refusal("--max-waiters", conn.peer)
         return TOO_MANY_WAITERS
     if result is None:
         return ACQUIRED
@@ -290,6 +295,7 @@ def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
     token = rest.strip(b" \t")
     if conn.check_token(token):
         return b"200 OK\r\n"
+    log_auth_failure(conn.peer)
     conn.closing = True
     return b"403 Bad Token\r\n"
 

@@ -13,6 +13,7 @@ import trustme
 
 from elockd.config import Config
 from elockd.server import make_service, serve
+from elockd.startup import StartupError
 from tests.conftest import LineClient, RunningServer
 
 
@@ -91,7 +92,7 @@ async def test_auth_required_before_anything_else(nursery: trio.Nursery, tmp_pat
 async def test_empty_token_file_refuses_to_start(tmp_path: Path) -> None:
     path = tmp_path / "empty"
     path.write_text("\n")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(StartupError, match=r"^--auth-token-file .*/empty: empty"):
         make_service(Config(auth_token_file=str(path)))
 
 
