@@ -12,6 +12,8 @@ import trio.testing
 import trustme
 
 from elockd.config import Config
+from elockd.locks import LockEngine
+from elockd.protocol import Connection, Service
 from elockd.server import make_service, serve
 from elockd.startup import StartupError
 from tests.conftest import LineClient, RunningServer
@@ -87,6 +89,14 @@ async def test_auth_required_before_anything_else(nursery: trio.Nursery, tmp_pat
     assert await intruder.request(b"auth guess") == b"403 Bad Token"
     assert await intruder.at_eof()
     await client.aclose()
+
+
+def test_auth_without_a_token_file_accepts_any_token() -> None:
+    """docs/protocol.md (readings chosen): nothing to check, nothing refused."""
+    conn = Connection(Service(Config(), LockEngine()), b"10.0.0.1:1111")
+    assert conn.handle(b"auth anything", 0.0) == b"200 OK\r\n"
+    assert not conn.closing
+    assert conn.handle(b"g k", 0.0) == b"1 Got Lock\r\n"
 
 
 async def test_empty_token_file_refuses_to_start(tmp_path: Path) -> None:
