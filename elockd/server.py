@@ -46,6 +46,7 @@ from elockd.startup import (
     blame_file,
 )
 from elockd.stats import Backend
+from elockd.tracing import trace_requests
 from elockd.transport import SocketTransport, StreamTransport, Transport
 
 log = logging.getLogger("elockd")
@@ -377,8 +378,11 @@ def tls_context(config: Config) -> ssl.SSLContext | None:
     A file that is missing, unreadable or not PEM is named in a :class:`StartupError`."""
     if not config.tls_cert:
         return None
-    files = {"--tls-cert": config.tls_cert, "--tls-key": config.tls_key}
-    files["--tls-client-ca"] = config.tls_client_ca
+    files = {
+        "--tls-cert": config.tls_cert,
+        "--tls-key": config.tls_key,
+        "--tls-client-ca": config.tls_client_ca,
+    }
     for flag, path in files.items():
         if path:  # OpenSSL's own errors do not say which file is missing
             with blame_file(flag, path), open(path, "rb"):
@@ -432,8 +436,6 @@ def make_service(config: Config) -> Service:
     else:
         service = Service(config, engine, auth_token=token)
     if log.isEnabledFor(logging.DEBUG):  # the plain command table costs nothing
-        from elockd.tracing import trace_requests
-
         trace_requests(service)
     return service
 
