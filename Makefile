@@ -1,6 +1,7 @@
 # Both entry points build their own virtualenv, so a fresh clone needs nothing but python3.
+# Another interpreter gets a venv of its own: make test PYTHON=python3.13 VENV=.venv-3.13
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 9999
@@ -50,4 +51,4 @@ bench: $(VENV)/.installed-run
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/.build
+	rm -rf $(VENV) .venv-3.* .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/.build

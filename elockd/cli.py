@@ -1,72 +1,181 @@
-"""Command line: flags -> :class:`~elockd.config.Config` -> run the server."""
+"""Command line: flags, ``ELOCKD_*`` variables and a TOML file -> :class:`Config` -> serve.
+
+Every setting can come from three places. Precedence: a flag beats the environment
+(``ELOCKD_METRICS_PORT``), which beats the file named by ``--config`` (or
+``ELOCKD_CONFIG``; keys are the flag names with ``_``: ``metrics_port = 9100``),
+which beats the defaults. A value from any of them goes through the same type
+function as the flag, so ``ELOCKD_PORT=99999`` is refused like ``--port 99999``.
+
+Mistakes are one line that names the flag, variable or key and the value, with
+exit status 2 (bad usage) or 1 (the set-up failed at start, :mod:`elockd.startup`);
+never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import dataclasses
+import difflib
+import os
 import sys
-from collections.abc import Sequence
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import trio
 
+from elockd import __version__
 from elockd.config import Config
+from elockd.logs import (
+    FORMATS,
+    LEVELS,
+    configure_logging,
+    log_crash,
+    log_setting_note,
+    log_start,
+    log_startup_failure,
+    log_stop,
+)
 from elockd.replies import STYLES
-from elockd.server import run_until_signal
+from elockd.server import MAX_CLUSTER_KEYS, run_until_signal
+from elockd.startup import StartupError, find
+
+ENV_PREFIX = "ELOCKD_"
+#: Settings that are not Config fields but may still be given: the deprecated alias.
+ALIASES = frozenset({"grace_ms"})
+
+
+class UsageError(Exception):
+    """A setting that cannot be used, found before start: exit status 2."""
+
+
+# ------------------------------------------------------------ value types
+# Each raises ArgumentTypeError with what is expected, so argparse says
+# "argument --port: a port number 0-65535, not '99999'".
+
+
+def _parse(text: str, kind: Callable[[str], Any], expected: str) -> Any:
+    try:
+        return kind(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{expected}, not {text!r}") from None
+
+
+def port_number(text: str) -> int:
+    value: int = _parse(text, int, "a port number 0-65535")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port number 0-65535, not {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    value: int = _parse(text, int, "a whole number, 1 or more")
     if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
+        raise argparse.ArgumentTypeError(f"a whole number, 1 or more, not {text!r}")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    value: int = _parse(text, int, "a whole number, 0 or more")
     if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
+        raise argparse.ArgumentTypeError(f"a whole number, 0 or more, not {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError("must be a number above 0")
+    value: float = _parse(text, float, "a number of seconds above 0")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of seconds above 0, not {text!r}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    value = float(text)
+    value: float = _parse(text, float, "a number of seconds, 0 or more")
     if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError("must be a number, 0 or more")
+        raise argparse.ArgumentTypeError(f"a number of seconds, 0 or more, not {text!r}")
     return value
 
 
 def session_ttl(text: str) -> int:
     """etcd raises lease TTLs below its own minimum (about 1.5 election timeouts,
     2 s at etcd's defaults) anyway; asking for less would only mislead."""
-    value = positive_int(text)
+    value: int = _parse(text, int, "a whole number of seconds, 2 or more")
     if value < 2:
-        raise argparse.ArgumentTypeError("must be at least 2 seconds")
+        raise argparse.ArgumentTypeError(f"a whole number of seconds, 2 or more, not {text!r}")
     return value
+
+
+def etcd_endpoints(text: str) -> str:
+    """Comma-separated etcd endpoints as URLs. ``host:port`` is read as
+    ``http://host:port``, as etcdctl reads it; anything else must be an http(s) URL."""
+    urls = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        url = item if "://" in item else f"http://{item}"
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+            parts = parts._replace(scheme="")  # refused below
+        if (
+            parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or parts.query
+            or parts.fragment
+            or (port is None and "://" not in item)
+        ):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not host:port or an http(s)://host:port URL"
+            )
+        urls.append(url.rstrip("/"))
+    if not urls:
+        raise argparse.ArgumentTypeError("no endpoint given (host:port[,host:port...])")
+    return ",".join(urls)
+
+
+# ------------------------------------------------------------ the parser
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, but no "(default: None)" for settings that are off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = Config()
     parser = argparse.ArgumentParser(
         prog="elockd",
+        usage="%(prog)s [--option VALUE]... (elockd --help lists them)",
         description="Network lock server: exclusive and counted shared locks owned by "
-        "a connection, freed when it goes away.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "a connection, freed when it goes away. Every option can also be set as an "
+        "ELOCKD_<OPTION> environment variable (ELOCKD_METRICS_PORT=9100) or in the "
+        "--config file (metrics_port = 9100); flags win over the environment, which "
+        "wins over the file.",
+        formatter_class=HelpFormatter,
     )
     add = parser.add_argument
+    add("--version", action="version", version=f"%(prog)s {__version__}")
+    add(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="read settings from this TOML file (keys: option names with '_'); "
+        "also ELOCKD_CONFIG",
+    )
     add("--host", default=defaults.host, help="address to listen on (127.0.0.1: local only)")
-    add("--port", type=non_negative_int, default=defaults.port, help="TCP port (0: any free)")
+    add("--port", type=port_number, default=defaults.port, help="TCP port (0: any free)")
     add("--unix", metavar="PATH", default=None, help="also listen on this Unix socket")
     add("--metrics-host", default=defaults.metrics_host, help="address of /metrics")
     add(
         "--metrics-port",
-        type=non_negative_int,
+        type=port_number,
         default=defaults.metrics_port,
         help="HTTP port of /metrics and /healthz (0: off)",
     )
@@ -74,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-max-connections",
         type=positive_int,
         default=defaults.metrics_max_connections,
+        metavar="N",
         help="HTTP connections at once on the metrics port; more wait in the backlog",
     )
     add(
@@ -101,31 +211,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=positive_int,
         default=defaults.max_connections,
+        metavar="N",
         help="connections at once; one more is told '0 Too Many Connections'",
     )
     add(
         "--max-line",
         type=positive_int,
         default=defaults.max_line,
+        metavar="BYTES",
         help="longest request line in bytes; longer ones get '0 Line Too Long'",
     )
-    add("--max-keys", type=positive_int, default=defaults.max_keys, help="keys per mlock")
+    add(
+        "--max-keys",
+        type=positive_int,
+        default=defaults.max_keys,
+        metavar="N",
+        help="keys per mlock (more: '413 Too Many Keys')",
+    )
     add(
         "--max-waiters",
         type=positive_int,
         default=defaults.max_waiters,
-        help="waiting requests per key",
+        metavar="N",
+        help="waiting requests per key (more: '413 Too Many Waiters')",
     )
     add(
         "--max-holds",
         type=positive_int,
         default=defaults.max_holds,
+        metavar="N",
         help="holds one session may have at once ('0 Too Many Holds' / '413 Too Many Holds')",
     )
     add(
         "--max-sessions",
         type=positive_int,
         default=defaults.max_sessions,
+        metavar="N",
         help="sessions without a connection (in grace or owning leases) kept at once; "
         "one more ends at once, its holds freed",
     )
@@ -188,17 +309,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="require client certificates signed by this CA (mutual TLS)",
     )
     add(
+        "--grace",
+        type=non_negative_float,
+        default=defaults.grace,
+        metavar="SECONDS",
+        help="how long a dropped connection's holds stay for a conn_id takeover "
+        "(each session may change its own with set_timeout)",
+    )
+    add(
         "--grace-ms",
         type=non_negative_int,
-        default=defaults.grace_ms,
-        help="default time a dropped connection's holds stay for a conn_id takeover",
+        default=None,
+        metavar="MS",
+        help="deprecated: --grace in milliseconds",
     )
     add(
         "--etcd",
+        type=etcd_endpoints,
         metavar="URL[,URL...]",
         default=None,
         help="keep every lock in this etcd cluster, shared with other elockd nodes "
-        "(docs/cluster.md); default: in memory, this process only",
+        "(docs/cluster.md); host:port means http://host:port; default: in memory, "
+        "this process only",
     )
     add("--etcd-prefix", default=defaults.etcd_prefix, help="root of elockd's keys in etcd")
     add(
@@ -215,34 +347,182 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --etcd: give up on etcd after this long and reply 'Backend Unavailable'",
     )
+    add("--log-level", choices=LEVELS, default=defaults.log_level, help="least severe level logged")
     add(
-        "--log-level",
-        choices=["debug", "info", "warning", "error"],
-        default=defaults.log_level,
+        "--log-format",
+        choices=FORMATS,
+        default=defaults.log_format,
+        help="text for people, json for log pipelines (one object per line)",
     )
     return parser
 
 
-def config_from_args(argv: Sequence[str] | None = None) -> Config:
+def setting_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The parser's actions that are settings (a Config field or an alias), by name."""
+    names = {field.name for field in dataclasses.fields(Config)} | ALIASES
+    return {action.dest: action for action in parser._actions if action.dest in names}
+
+
+def flag_of(action: argparse.Action) -> str:
+    return action.option_strings[0]
+
+
+# ------------------------------------------------------------ the three sources
+
+
+def convert(action: argparse.Action, text: str, where: str) -> object:
+    """``text`` through the flag's own type function and choices; a UsageError that
+    names ``where`` the value came from otherwise."""
+    try:
+        value = action.type(text) if callable(action.type) else text
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"{where}: {error}") from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise UsageError(f"{where}: one of {choices}, not {text!r}")
+    return value
+
+
+def from_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> dict[str, Any]:
+    """Only the settings given as flags (the parser's defaults come last, not first)."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return vars(parser.parse_args(argv))
+
+
+def from_environment(
+    actions: Mapping[str, argparse.Action], environ: Mapping[str, str], notes: list[str]
+) -> dict[str, Any]:
+    """Settings from ``ELOCKD_<NAME>`` variables; an empty one counts as unset."""
+    settings: dict[str, Any] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or not text:
+            continue
+        dest = name[len(ENV_PREFIX) :].lower()
+        if dest in actions:
+            settings[dest] = convert(actions[dest], text, f"{name}={text}")
+        elif dest != "config":
+            notes.append(f"{name} is not an elockd setting; ignored")
+    return settings
+
+
+def toml_text(value: object) -> str | None:
+    """A TOML value as the text a flag would have been given; None for tables,
+    booleans and dates, which no setting takes."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float | str):
+        return str(value)
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return ",".join(value)  # etcd = ["host:2379", "host2:2379"]
+    return None
+
+
+def from_file(path: str, actions: Mapping[str, argparse.Action]) -> dict[str, Any]:
+    """Settings from a TOML file; an unknown key is refused by name."""
+    try:
+        with open(path, "rb") as file:
+            table = tomllib.load(file)
+    except OSError as error:
+        raise UsageError(f"--config {path}: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UsageError(f"--config {path}: not valid TOML ({error})") from None
+    settings: dict[str, Any] = {}
+    for key, value in table.items():
+        where = f"--config {path}: {key}"
+        if key not in actions:
+            close = difflib.get_close_matches(key.replace("-", "_"), list(actions), 1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UsageError(f"--config {path}: unknown key {key!r}{hint}")
+        text = toml_text(value)
+        if text is None:
+            raise UsageError(f"{where}: a number or a string, not {value!r}")
+        settings[key] = convert(actions[key], text, f"{where} = {value!r}")
+    return settings
+
+
+def apply_alias(settings: dict[str, Any], where: str, notes: list[str]) -> None:
+    """``grace_ms`` (deprecated) becomes ``grace`` in seconds, within one source."""
+    if "grace_ms" not in settings:
+        return
+    milliseconds = settings.pop("grace_ms")
+    if "grace" in settings:
+        raise UsageError(f"{where}: --grace and --grace-ms both given; keep --grace")
+    settings["grace"] = milliseconds / 1000
+    notes.append(f"--grace-ms is deprecated: use --grace {milliseconds / 1000:g} (seconds)")
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[Config, list[str]]:
+    """The Config in force, and notes to log once logging is set up (deprecations,
+    ignored variables). Raises UsageError; argparse exits 2 on a bad flag itself."""
+    environ = os.environ if environ is None else environ
+    build_parser().parse_args(argv)  # --help, --version and bad flags end here
     parser = build_parser()
-    options = vars(parser.parse_args(argv))
-    if (options["tls_key"] or options["tls_client_ca"]) and not options["tls_cert"]:
-        parser.error("--tls-key and --tls-client-ca need --tls-cert")
-    return Config(**options)
+    actions = setting_actions(parser)
+    flags = from_flags(parser, argv)
+    notes: list[str] = []
+    config_file = flags.pop("config", None) or environ.get(f"{ENV_PREFIX}CONFIG") or None
+    sources = [
+        (from_file(config_file, actions) if config_file else {}, f"--config {config_file}"),
+        (from_environment(actions, environ, notes), "the environment"),
+        (flags, "the command line"),
+    ]
+    settings: dict[str, Any] = {}
+    for source, where in sources:
+        apply_alias(source, where, notes)
+        settings.update(source)
+    config = Config(**settings)
+    check_combinations(config)
+    return config, notes
+
+
+def check_combinations(config: Config) -> None:
+    if (config.tls_key or config.tls_client_ca) and not config.tls_cert:
+        raise UsageError("--tls-key and --tls-client-ca need --tls-cert")
+    if config.etcd and config.max_keys > MAX_CLUSTER_KEYS:
+        # One mlock is one etcd txn: a put and a count per key, and etcd's default
+        # --max-txn-ops is 128.
+        raise UsageError(
+            f"--max-keys {config.max_keys}: at most {MAX_CLUSTER_KEYS} with --etcd "
+            "(one mlock is one etcd transaction)"
+        )
+
+
+# ------------------------------------------------------------ main
+
+
+def fail_to_start(problem: str, config: Config) -> NoReturn:
+    """The one line of a start-up failure, then exit 1."""
+    if config.log_format == "json":
+        log_startup_failure(problem)
+    else:
+        print(f"elockd: {problem}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = config_from_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    # httpx logs every etcd request at INFO: thousands a second on a cluster node.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        config, notes = load_config(argv)
+    except UsageError as error:
+        print(f"elockd: {error}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_format)
+    for note in notes:
+        log_setting_note(note)
+    log_start(config)
     try:
         trio.run(run_until_signal, config)
-    except (OSError, ValueError) as error:
-        logging.getLogger("elockd").error("cannot start: %s", error)
+    except KeyboardInterrupt:  # before the signal handlers were in place
+        return 130
+    except BaseException as error:
+        problem = find(error, StartupError)
+        if problem is not None:
+            fail_to_start(str(problem), config)
+        if config.log_format != "json" or not isinstance(error, Exception):
+            raise
+        log_crash(error)  # a bug: its traceback, but as JSON like every other line
         return 1
+    log_stop()
     return 0

@@ -1,4 +1,9 @@
-"""Every setting of the server in one place, with the defaults the docs promise."""
+"""Every setting of the server in one place, with the defaults the docs promise.
+
+Each field is one flag (``max_ttl`` is ``--max-ttl``), also read from the
+environment (``ELOCKD_MAX_TTL``) and from a TOML file (``max_ttl = 3600``):
+:mod:`elockd.cli` fills it from all three.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +32,9 @@ class Config:
     max_sessions: int = 10_000
     # The longest WAIT, wait=, ttl= and set_timeout a request may ask for, in seconds.
     max_ttl: float = 86_400.0
-    grace_ms: int = 0
+    # How long a dropped connection's plain holds stay for a conn_id takeover, in
+    # seconds (the starting value of each session's set_timeout).
+    grace: float = 0.0
     idle_timeout: float | None = None
     send_timeout: float = 30.0
     handshake_timeout: float = 10.0
@@ -41,6 +48,7 @@ class Config:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     log_level: str = "info"
+    log_format: str = "text"
     # The etcd backend (docs/cluster.md): off unless --etcd names endpoints.
     etcd: str | None = None
     etcd_prefix: str = "/elockd/"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
 class LogThrottle:
@@ -35,17 +35,26 @@ class LogThrottle:
         self._next_at = -float("inf")
         self._suppressed = 0
 
-    def __call__(self, message: str, *args: object) -> bool:
+    def __call__(
+        self, message: str, *args: object, fields: Mapping[str, object] | None = None
+    ) -> bool:
         """Log ``message % args`` unless a line went out less than ``interval`` ago;
-        True when it was logged."""
+        True when it was logged. ``fields`` become the record's structured fields
+        (``extra``); with them, the count of lines held back is a field too
+        (``held_back``) rather than words added to the message."""
         now = self._clock()
         if now < self._next_at:
             self._suppressed += 1
             return False
+        extra = dict(fields or {})
         if self._suppressed:
-            message += " (%d more like this in the last %.0f s)"
-            args = (*args, self._suppressed, self.interval)
+            if fields is None:
+                message += " (%d more like this in the last %.0f s)"
+                args = (*args, self._suppressed, self.interval)
+            else:  # the event stays one constant string for log pipelines
+                extra["held_back"] = self._suppressed
+                extra["held_back_seconds"] = self.interval
             self._suppressed = 0
         self._next_at = now + self.interval
-        self.logger.log(self.level, message, *args)
+        self.logger.log(self.level, message, *args, extra=extra)
         return True

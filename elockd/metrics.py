@@ -21,6 +21,7 @@ counters, seconds); docs/monitoring.md maps each one to its ``q`` counter.
 from __future__ import annotations
 
 import logging
+import platform
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, cast
@@ -37,6 +38,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from elockd import __version__
 from elockd.http import listen_tcp, serve_http
 from elockd.protocol import Service
 from elockd.stats import Buckets
@@ -73,6 +75,7 @@ class ElockdCollector(Collector):
         counters = self.service.counters
         timings = self.service.timings
 
+        yield BUILD_INFO
         yield GaugeMetricFamily(
             "elockd_connections", "Client connections open now.", value=counters.connections
         )
@@ -155,6 +158,14 @@ class ElockdCollector(Collector):
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(metric, documentation, value=value)
 
+
+#: Which elockd and which Python serve: always 1, the facts are in the labels.
+BUILD_INFO = GaugeMetricFamily(
+    "elockd_build_info",
+    "elockd's version and the Python running it (always 1).",
+    labels=["version", "python"],
+)
+BUILD_INFO.add_metric([__version__, platform.python_version()], 1)
 
 #: The `q` lines only some backends have (a cluster node's), as metrics.
 EXTRA_METRICS = {

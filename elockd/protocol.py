@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 from elockd.config import Config
 from elockd.locks import LockEngine, TooManyHolds, Waiter
+from elockd.logs import log_refusal
 from elockd.replies import STYLES, TerseReplies
 from elockd.stats import Backend, Counters, Timings, snapshot
 
@@ -133,6 +134,7 @@ class Deferred:
         except BackendUnavailable:
             return WORD_UNAVAILABLE if self.word else TERSE_UNAVAILABLE
         except TooManyHolds:
+            log_refusal("--max-holds")
             return WORD_TOO_MANY_HOLDS if self.word else TERSE_TOO_MANY_HOLDS
 
 
@@ -175,8 +177,6 @@ class Service:
         # Connections that set a name with `iam`, oldest naming first (for `who`).
         self.named: dict[Connection, None] = {}
         self.auth_token = auth_token
-        # Told the peer of every failed `auth` (the server logs it).
-        self.on_auth_failure: Callable[[bytes], None] | None = None
         # Before `auth` succeeds a connection dispatches through this table, where
         # every verb but `auth` is refused: no per-request check on the hot path.
         self.unauthenticated_commands: dict[bytes, Handler] = {
@@ -223,7 +223,7 @@ class Connection:
         self.replies = service.replies
         self.peer = peer
         self.session = service.backend.open_session(service.new_session_id(), peer)
-        self.session.grace = service.config.grace_ms / 1000
+        self.session.grace = service.config.grace
         self.closing = False  # set by `quit` and a failed `auth`: close after this reply
         # Set by the server: ends this connection (the backend lost its session).
         self.abort: Callable[[], None] | None = None
@@ -260,6 +260,7 @@ class Connection:
         except BadRequest as error:
             return b"400 Bad Request: %s\r\n" % str(error).encode()
         except TooManyHolds:
+            log_refusal("--max-holds", self.peer)
             if verb in self.service.word_verbs:
                 return WORD_TOO_MANY_HOLDS
             return TERSE_TOO_MANY_HOLDS

@@ -34,12 +34,20 @@ import trio
 
 from elockd.config import Config
 from elockd.framing import LineReader
-from elockd.locks import ENDED_SESSION_LIMIT, LockEngine
+from elockd.locks import LockEngine
+from elockd.logs import log_connection_close, log_connection_open, log_refusal, log_session_end
 from elockd.logthrottle import LogThrottle
 from elockd.metrics import serve_metrics
 from elockd.protocol import Connection, Deferred, Delayed, Pending, Service, Streamed
-from elockd.sessions import Session
+from elockd.startup import (
+    LOCK_PORT_HINT,
+    METRICS_PORT_HINT,
+    StartupError,
+    blame_address,
+    blame_file,
+)
 from elockd.stats import Backend
+from elockd.tracing import trace_requests
 from elockd.transport import SocketTransport, StreamTransport, Transport
 
 log = logging.getLogger("elockd")
@@ -67,6 +75,7 @@ def peer_name(address: object) -> bytes:
 
 async def serve_connection(service: Service, transport: Transport, peer: bytes) -> None:
     """Run one client connection to its end, then free its session per its rules."""
+    log_connection_open(peer)
     conn = Connection(service, peer)
     reader = LineReader(service.config.max_line)
     idle_timeout = service.config.idle_timeout
@@ -80,6 +89,7 @@ async def serve_connection(service: Service, transport: Transport, peer: bytes) 
     finally:
         conn.close(trio.current_time())
         await transport.aclose()
+        log_connection_close(peer)
 
 
 async def _serve_requests(
@@ -421,6 +431,7 @@ async def accept_loop(
                 await trio.sleep(ACCEPT_PAUSE)
                 break
             if slots.used >= slots.limit:
+                log_refusal("--max-connections")
                 refuse(sock)
                 continue
             slots.used += 1
@@ -435,7 +446,7 @@ async def accept_loop(
 
 
 def refuse(sock: socket.socket) -> None:
-    """Tell a connection over ``--max-connections`` why, then close it."""
+    """Tell a connection over a limit why (``0 Too Many Connections``), then close it."""
     sock.setblocking(False)
     with contextlib.suppress(OSError):
         sock.send(TOO_MANY_CONNECTIONS)
@@ -468,23 +479,36 @@ async def serve_tls(
 
 
 def tls_context(config: Config) -> ssl.SSLContext | None:
-    """The lock port's TLS settings; with a client CA, client certificates are required."""
+    """The lock port's TLS settings; with a client CA, client certificates are required.
+    A file that is missing, unreadable or not PEM is named in a :class:`StartupError`."""
     if not config.tls_cert:
         return None
+    files = {
+        "--tls-cert": config.tls_cert,
+        "--tls-key": config.tls_key,
+        "--tls-client-ca": config.tls_client_ca,
+    }
+    for flag, path in files.items():
+        if path:  # OpenSSL's own errors do not say which file is missing
+            with blame_file(flag, path), open(path, "rb"):
+                pass
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(config.tls_cert, config.tls_key)
+    pair = config.tls_cert + (f" / --tls-key {config.tls_key}" if config.tls_key else "")
+    with blame_file("--tls-cert", pair, "not a PEM certificate with its private key"):
+        context.load_cert_chain(config.tls_cert, config.tls_key)
     if config.tls_client_ca:
         context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(config.tls_client_ca)
+        with blame_file("--tls-client-ca", config.tls_client_ca, "not a PEM CA certificate"):
+            context.load_verify_locations(config.tls_client_ca)
     return context
 
 
 def read_auth_token(path: str) -> bytes:
     """The shared secret of ``auth``: the file's content without surrounding blanks."""
-    with open(path, "rb") as file:
+    with blame_file("--auth-token-file", path), open(path, "rb") as file:
         token = file.read().strip()
     if not token:
-        raise ValueError(f"auth token file {path} is empty")
+        raise StartupError(f"--auth-token-file {path}: empty (the token is its content)")
     return token
 
 
@@ -516,46 +540,9 @@ def make_service(config: Config) -> Service:
         service = make_cluster_service(config, engine, token)
     else:
         service = Service(config, engine, auth_token=token)
-    service.on_auth_failure = log_auth_failure
+    if log.isEnabledFor(logging.DEBUG):  # the plain command table costs nothing
+        trace_requests(service)
     return service
-
-
-#: Failed `auth` comes in floods when someone guesses: one warning per 10 s, with a
-#: count of the others.
-auth_failure_warning = LogThrottle(log, logging.WARNING)
-
-
-def log_auth_failure(peer: bytes) -> None:
-    auth_failure_warning("failed auth from %s: wrong token", peer.decode(errors="backslashreplace"))
-
-
-#: Sessions ended at --max-sessions come in floods when a client churns: one warning
-#: per 10 s, with a count.
-session_limit_warning = LogThrottle(log, logging.WARNING)
-
-
-def log_session_end(session: Session, exclusive: int, shared: int, why: str) -> None:
-    """The audit trail of orphans: who lost which locks, and why."""
-    peer = session.peer.decode(errors="backslashreplace")
-    name = "unnamed" if session.name is None else session.name.decode(errors="backslashreplace")
-    if why == ENDED_SESSION_LIMIT:
-        session_limit_warning(
-            "--max-sessions reached: session of %s (%s) ended at once, "
-            "%d exclusive and %d shared holds freed",
-            peer,
-            name,
-            exclusive,
-            shared,
-        )
-        return
-    log.info(
-        "session of %s (%s) ended holding locks: %d exclusive and %d shared freed (%s)",
-        peer,
-        name,
-        exclusive,
-        shared,
-        why,
-    )
 
 
 MAX_CLUSTER_KEYS = 64
@@ -571,7 +558,9 @@ def make_cluster_service(config: Config, engine: LockEngine, token: bytes | None
     if config.max_keys > MAX_CLUSTER_KEYS:
         # One mlock is one etcd txn: a put and a count per key, and etcd's default
         # --max-txn-ops is 128.
-        raise ValueError(f"--max-keys above {MAX_CLUSTER_KEYS} does not fit one etcd txn")
+        raise StartupError(
+            f"--max-keys {config.max_keys}: above {MAX_CLUSTER_KEYS} does not fit one etcd txn"
+        )
     endpoints = [url.strip() for url in config.etcd.split(",") if url.strip()]
     client = EtcdClient(endpoints, deadline=config.etcd_timeout)
     space = ClusterLockSpace(
@@ -596,10 +585,17 @@ async def serve(
     holds are then freed and counted like any disconnect."""
     service = service or make_service(config)
     tls = tls_context(config)
-    listeners = open_tcp_sockets(config.host, config.port)
+    with blame_address("--host", config.host, "--port", config.port, LOCK_PORT_HINT):
+        listeners = open_tcp_sockets(config.host, config.port)
     tcp_listeners = len(listeners)
     if config.unix:
-        listeners.append(open_unix_socket(config.unix))
+        try:
+            with blame_file("--unix", config.unix):
+                listeners.append(open_unix_socket(config.unix))
+        except StartupError:
+            for listener in listeners:
+                listener.close()
+            raise
     addresses: list[tuple[str, int] | str] = [sock.getsockname() for sock in listeners]
     files = raise_open_file_limit()
     if files < config.max_connections + 64:
@@ -617,9 +613,16 @@ async def serve(
             nursery.start_soon(timer.run)
             if config.metrics_port:
                 # In this nursery, so the scrape reads the tables in this trio run.
-                host, port = await nursery.start(
-                    serve_metrics, service, config.metrics_host, config.metrics_port
-                )
+                with blame_address(
+                    "--metrics-host",
+                    config.metrics_host,
+                    "--metrics-port",
+                    config.metrics_port,
+                    METRICS_PORT_HINT,
+                ):
+                    host, port = await nursery.start(
+                        serve_metrics, service, config.metrics_host, config.metrics_port
+                    )
                 log.info("elockd metrics on http://%s/metrics", describe((host, port)))
             slots = ConnectionSlots(config.max_connections)  # one limit for all listeners
             for index, listener in enumerate(listeners):
@@ -661,13 +664,18 @@ def tune_garbage_collector() -> None:
 
 
 async def run_until_signal(config: Config, signals: Sequence[int] = ()) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down cleanly."""
+    """Serve until SIGINT or SIGTERM, then shut down cleanly. The signals are obeyed
+    from the first moment, also while start-up waits (for etcd)."""
     tune_garbage_collector()
     wanted = signals or (signal.SIGINT, signal.SIGTERM)
     with trio.open_signal_receiver(*wanted) as received:
         async with trio.open_nursery() as nursery:
+
+            async def stop_at_signal() -> None:
+                async for signum in received:
+                    log.info("%s received: closing every connection", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop_at_signal)
             await nursery.start(serve, config)
-            async for signum in received:
-                log.info("%s received: closing every connection", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break

@@ -124,7 +124,7 @@ def cmd_sd(conn: Connection, rest: bytes, now: float) -> Streamed:
 
 def cmd_dump(conn: Connection, rest: bytes, now: float) -> Streamed:
     """``dump`` is ``d`` of every key; ``dump shared`` is ``sd`` of every key. Any other
-    argument is ignored (documented in docs/protocol-notes.md)."""
+    argument is ignored (documented in docs/protocol.md)."""
     if terse_key(rest) == b"shared":
         return _dump_shared(conn.engine, None)
     return _dump_exclusive(conn.engine, None)

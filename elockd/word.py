@@ -13,6 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 from elockd.locks import QueueFull, Waiter
+from elockd.logs import log_auth_failure, log_refusal
 from elockd.protocol import BadRequest, Delayed, Pending
 from elockd.stats import render_stats
 
@@ -126,6 +127,7 @@ def cmd_lock(conn: Connection, rest: bytes, now: float) -> Reply:
     try:
         waiter = conn.engine.wait_for(conn.session, key, now, ttl, timeout=wait)
     except QueueFull:
+        log_refusal("--max-waiters", conn.peer)
         return TOO_MANY_WAITERS
     if waiter is None:
         return ACQUIRED
@@ -211,6 +213,7 @@ def cmd_lock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
     try:
         result = engine.wait_shared(conn.session, key, now, limit=limit, ttl=ttl, timeout=wait)
     except QueueFull:
+        log_refusal("--max-waiters", conn.peer)
         return TOO_MANY_WAITERS
     if isinstance(result, int):
         return b"200 %d\r\n" % result
@@ -247,12 +250,14 @@ def mlock_args(rest: bytes, max_seconds: float) -> tuple[list[bytes], float, flo
 def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
     keys, wait, ttl = mlock_args(rest, conn.service.config.max_ttl)
     if len(keys) > conn.service.config.max_keys:
+        log_refusal("--max-keys", conn.peer)
         return TOO_MANY_KEYS
     try:
         result = conn.engine.request_many(
             conn.session, keys, now, ttl=ttl, wait=wait > 0, timeout=wait
         )
     except QueueFull:
+        log_refusal("--max-waiters", conn.peer)
         return TOO_MANY_WAITERS
     if result is None:
         return ACQUIRED
@@ -313,16 +318,14 @@ def cmd_ping(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
-    """A wrong token is reported (the server logs it with the peer) and answered
-    only after ``--auth-failure-delay``; then the connection closes."""
+    """A wrong token is logged with the peer and answered only after
+    ``--auth-failure-delay``; then the connection closes."""
     token = rest.strip(b" \t")
     if conn.check_token(token):
         return b"200 OK\r\n"
+    log_auth_failure(conn.peer)
     conn.closing = True
-    service = conn.service
-    if service.on_auth_failure is not None:
-        service.on_auth_failure(conn.peer)
-    return Delayed(b"403 Bad Token\r\n", service.config.auth_failure_delay)
+    return Delayed(b"403 Bad Token\r\n", conn.service.config.auth_failure_delay)
 
 
 WORD_COMMANDS = {

@@ -104,7 +104,8 @@ def server_config() -> Config:
 
 @pytest.fixture
 async def server(nursery: trio.Nursery, server_config: Config) -> AsyncIterator[RunningServer]:
-    config = replace(server_config, host="127.0.0.1", port=0)
+    # Ports the OS picks, metrics off: 9998 and 9999 may be busy (another elockd).
+    config = replace(server_config, host="127.0.0.1", port=0, metrics_port=0)
     service = make_service(config)
     addresses = await nursery.start(serve, config, service)
     port = next(a[1] for a in addresses if isinstance(a, tuple))

@@ -12,10 +12,13 @@ import trio
 import trio.testing
 import trustme
 
-from elockd import server as server_module
+from elockd import logs
 from elockd.config import Config
+from elockd.locks import LockEngine
 from elockd.logthrottle import LogThrottle
+from elockd.protocol import Connection, Service
 from elockd.server import make_service, serve
+from elockd.startup import StartupError
 from tests.conftest import LineClient, RunningServer
 
 
@@ -102,9 +105,7 @@ async def test_a_wrong_token_is_logged_and_answered_late_without_slowing_others(
     """Guessing was 7,835 tokens a second with nothing logged. Now each wrong token
     costs its guesser --auth-failure-delay, a warning names the peer, and a client
     with the right token is served meanwhile."""
-    monkeypatch.setattr(
-        server_module, "auth_failure_warning", LogThrottle(server_module.log, logging.WARNING)
-    )
+    monkeypatch.setattr(logs, "_auth_failure_warning", LogThrottle(logs.log, logging.WARNING))
     config = Config(
         port=0, metrics_port=0, auth_token_file=write_token(tmp_path), auth_failure_delay=2.5
     )
@@ -123,14 +124,22 @@ async def test_a_wrong_token_is_logged_and_answered_late_without_slowing_others(
         assert await guesser.at_eof(), "one guess per connection"
     [record] = [r for r in caplog.records if "auth" in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert "127.0.0.1:" in record.getMessage()
+    assert getattr(record, "peer", "").startswith("127.0.0.1:")
     await honest.aclose()
+
+
+def test_auth_without_a_token_file_accepts_any_token() -> None:
+    """docs/protocol.md (readings chosen): nothing to check, nothing refused."""
+    conn = Connection(Service(Config(), LockEngine()), b"10.0.0.1:1111")
+    assert conn.handle(b"auth anything", 0.0) == b"200 OK\r\n"
+    assert not conn.closing
+    assert conn.handle(b"g k", 0.0) == b"1 Got Lock\r\n"
 
 
 async def test_empty_token_file_refuses_to_start(tmp_path: Path) -> None:
     path = tmp_path / "empty"
     path.write_text("\n")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(StartupError, match=r"^--auth-token-file .*/empty: empty"):
         make_service(Config(auth_token_file=str(path)))
 
 

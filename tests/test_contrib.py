@@ -1,12 +1,9 @@
-"""contrib/ against a real server: the bash probe, the Nagios check, the example
-worker, and the systemd unit."""
+"""contrib/ against a real server: the bash probe, the Nagios check and the example
+worker (the systemd unit: tests/test_systemd_unit.py)."""
 
 from __future__ import annotations
 
-import configparser
 import re
-import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from elockd.cli import build_parser
 from elockd.client import BlockingClient
 from tests.foreign_service import foreign_service
 from tests.server_process import start_server, stop_server
@@ -307,42 +303,3 @@ def test_rate_limit_holds_across_processes(port: int) -> None:
         stop.set()
         watcher.join()
     assert 0 < peak <= 2
-
-
-def test_systemd_unit_is_hardened_and_runs_elockd() -> None:
-    unit = configparser.ConfigParser(strict=False, interpolation=None)
-    unit.optionxform = str  # type: ignore[assignment,method-assign]
-    unit.read(CONTRIB / "systemd" / "elockd.service")
-    service = unit["Service"]
-    hardening = {
-        "DynamicUser": "yes",
-        "NoNewPrivileges": "yes",
-        "ProtectSystem": "strict",
-        "ProtectHome": "yes",
-        "PrivateTmp": "yes",
-        "PrivateDevices": "yes",
-        "CapabilityBoundingSet": "",
-        "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
-    }
-    for name, value in hardening.items():
-        assert service.get(name) == value, name
-    command = shlex.split(service["ExecStart"])
-    assert command[0].endswith("/elockd")
-    options = build_parser().parse_args(command[1:])  # every flag is a real one
-    assert options.unix.startswith("/run/elockd/")  # inside RuntimeDirectory
-    assert service["RuntimeDirectory"] == "elockd"
-
-
-def test_systemd_unit_verifies(tmp_path: Path) -> None:
-    # .ci/run installs systemd for systemd-analyze: a missing tool fails, not skips.
-    assert shutil.which("systemd-analyze"), "systemd-analyze missing (apt-get install systemd)"
-    elockd = Path(sys.executable).parent / "elockd"
-    assert elockd.exists(), "the elockd console script is not installed in this venv"
-    text = (CONTRIB / "systemd" / "elockd.service").read_text()
-    unit = tmp_path / "elockd.service"
-    unit.write_text(text.replace("/opt/elockd/bin/elockd", str(elockd)))
-    result = subprocess.run(
-        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=30
-    )
-    assert result.returncode == 0, result.stderr
-    assert "elockd.service" not in result.stderr, result.stderr

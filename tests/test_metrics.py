@@ -4,8 +4,10 @@ unit tests, the example config, the Grafana dashboard's queries)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
+import platform
 import random
 import re
 import shutil
@@ -168,6 +170,12 @@ def test_scrape_does_no_per_lock_work() -> None:
     assert registry.get_sample_value("elockd_keys", {"kind": "shared"}) == 1000
     assert registry.get_sample_value("elockd_holders", {"kind": "shared"}) == 50_000
     assert registry.get_sample_value("elockd_sessions") == 50
+
+
+def test_build_info_names_the_installed_version_and_the_python() -> None:
+    registry = make_registry(make_service(Config(port=0, metrics_port=0)))
+    labels = {"version": importlib.metadata.version("elockd"), "python": platform.python_version()}
+    assert registry.get_sample_value("elockd_build_info", labels) == 1
 
 
 # ----------------------------------------------------------- over real HTTP

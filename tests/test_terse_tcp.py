@@ -146,7 +146,7 @@ async def test_unix_socket(nursery: trio.Nursery, tmp_path: Path) -> None:
     from elockd.server import make_service, serve
 
     path = str(tmp_path / "elockd.sock")
-    config = Config(port=0, unix=path)
+    config = Config(port=0, metrics_port=0, unix=path)
     await nursery.start(serve, config, make_service(config))
     client = LineClient(await trio.open_unix_socket(path))
     assert await client.request(b"g k") == b"1 Got Lock"

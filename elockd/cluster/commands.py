@@ -19,6 +19,7 @@ from elockd.cluster.layout import EXCLUSIVE, SHARED, parse_entry_value
 from elockd.cluster.space import ClusterLockSpace, ClusterSession
 from elockd.commands import COMMANDS
 from elockd.locks import QueueFull
+from elockd.logs import log_refusal
 from elockd.protocol import Deferred, Streamed
 from elockd.terse import chunked, terse_key
 from elockd.word import (
@@ -63,6 +64,7 @@ def _word(run: Callable[[], Awaitable[bytes]], *, waits: bool = False) -> Deferr
         try:
             return await run()
         except QueueFull:
+            log_refusal("--max-waiters")
             return TOO_MANY_WAITERS
 
     return Deferred(guarded, word=True, waits=waits)
@@ -236,6 +238,7 @@ def cmd_unlock_shared(conn: Connection, rest: bytes, now: float) -> Reply:
 def cmd_mlock(conn: Connection, rest: bytes, now: float) -> Reply:
     keys, wait, ttl = mlock_args(rest, conn.service.config.max_ttl)
     if len(keys) > conn.service.config.max_keys:
+        log_refusal("--max-keys", conn.peer)
         return TOO_MANY_KEYS
 
     async def run() -> bytes:

@@ -16,8 +16,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import math
+import os
 import select
+import socket
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +31,10 @@ from urllib.parse import urlsplit
 import h11
 import httpx
 import trio
+
+from elockd.logthrottle import LogThrottle
+
+log = logging.getLogger("elockd.etcd")
 
 _HEADERS = {"Content-Type": "application/json"}
 _OPS = {"==": "EQUAL", "!=": "NOT_EQUAL", ">": "GREATER", "<": "LESS"}
@@ -45,6 +52,8 @@ _WATCH_BACKOFF = 0.1  # between watch reconnects, so a dead cluster is not hamme
 _ROUND_BACKOFF = 0.05  # after every endpoint refused a call in a row
 _MAX_RESPONSE = 64 * 1024 * 1024  # a bigger reply body is refused: a broken peer, not etcd
 _READ_SIZE = 65536
+#: A member that is down fails every call: one line per endpoint this often.
+_FAILURE_LOG_INTERVAL = 10.0
 
 
 class EtcdUnavailable(Exception):
@@ -239,6 +248,24 @@ class _Target:
 _TRANSPORT_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
 
 
+def _connect_failure(exc: OSError) -> str:
+    """Why no connection could be opened, in words ("connection refused"), where
+    trio says only "all attempts to connect to HOST:PORT failed"."""
+    group = exc.__cause__
+    causes = list(group.exceptions) if isinstance(group, BaseExceptionGroup) else [exc]
+    reasons: list[str] = []
+    for cause in causes:
+        if isinstance(cause, socket.gaierror):
+            reason = f"cannot resolve the host ({cause.strerror})"
+        elif isinstance(cause, OSError) and cause.errno:
+            reason = os.strerror(cause.errno).lower()
+        else:
+            reason = str(cause) or type(cause).__name__
+        if reason not in reasons:
+            reasons.append(reason)
+    return "; ".join(reasons)
+
+
 def _has_input(sock: trio.socket.SocketType) -> bool:
     """Whether an idle connection has something to read: the member closed it, or sent
     bytes nobody asked for. Either way it is no longer fit for a request."""
@@ -382,7 +409,7 @@ class _Transport:
                 connection = _Connection(endpoint, plain, plain.socket)
             connected = True
         except OSError as exc:
-            raise _Retry(f"{endpoint}: {exc!r}") from exc
+            raise _Retry(f"{endpoint}: {_connect_failure(exc)}") from exc
         finally:
             if not connected:
                 self._open -= 1
@@ -422,6 +449,10 @@ class EtcdClient:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
         self.endpoints = [endpoint.rstrip("/") for endpoint in endpoints]
+        self._failure_logs = {
+            endpoint: LogThrottle(log, logging.WARNING, _FAILURE_LOG_INTERVAL)
+            for endpoint in self.endpoints
+        }
         self.attempt_timeout = attempt_timeout
         self.deadline = deadline
         self._current = 0
@@ -472,12 +503,20 @@ class EtcdClient:
                             return await self._post(endpoint, path, payload)
                         except _Retry as exc:
                             last = str(exc)
+                    self._log_failure(endpoint, last)
                     if self._current == index:  # another task may have moved on already
                         self._current = (index + 1) % len(self.endpoints)
                     failures += 1
                     if failures % len(self.endpoints) == 0:
                         await trio.sleep(_ROUND_BACKOFF)  # every member refused: don't spin
         raise EtcdUnavailable(f"etcd gave no answer to {path} within {self.deadline}s ({last})")
+
+    def _log_failure(self, endpoint: str, failure: str) -> None:
+        """An endpoint that failed an attempt, with its URL and the cause, at most
+        once per endpoint every ``_FAILURE_LOG_INTERVAL`` seconds."""
+        cause = failure.removeprefix(f"{endpoint}: ")
+        fields = {"endpoint": endpoint, "cause": cause}
+        self._failure_logs[endpoint]("etcd endpoint failed", fields=fields)
 
     async def _post(self, endpoint: str, path: str, payload: bytes) -> dict[str, Any]:
         status, content = await self._transport.post(endpoint, path, payload)

@@ -52,10 +52,13 @@ from elockd.cluster.mirror import (
 )
 from elockd.deadlines import Deadlines
 from elockd.locks import QueueFull, TooManyHolds
+from elockd.logthrottle import LogThrottle
 from elockd.protocol import BackendUnavailable
 from elockd.sessions import Hold, Session
 
 log = logging.getLogger("elockd.cluster")
+#: A node waiting for etcd at start-up says so every 10 s, not every retry.
+startup_wait_log = LogThrottle(log, logging.WARNING, 10.0)
 
 T = TypeVar("T")
 
@@ -368,8 +371,9 @@ class ClusterLockSpace:
         while True:
             try:
                 return await step()
-            except EtcdUnavailable:
-                self._unavailable("start-up")
+            except EtcdUnavailable as exc:
+                self.backend_unavailable += 1
+                startup_wait_log("waiting for etcd to start", fields={"cause": str(exc)})
                 await trio.sleep(1)
 
     def _spawn(self, job: Callable[[], Awaitable[object]], what: str) -> None:

@@ -1,0 +1,195 @@
+"""Operational logging: where log lines go, in which format, and what is logged.
+
+Every record goes through the standard :mod:`logging` module (hypercorn's and
+trio's too), and structlog's :class:`~structlog.stdlib.ProcessorFormatter` renders
+it: ``--log-format text`` for a person (``TIME [level] event key=value ...``),
+``--log-format json`` for a log pipeline (one JSON object per line with ``ts``,
+``level``, ``event`` and the record's fields). Fields travel as ``extra=`` so the
+same call reads well in both.
+
+What is logged, by level (docs/operations.md):
+
+* info: start (with the effective configuration), stop, every session that ended
+  holding locks (the audit trail of orphans), refusals at a limit (rate-limited).
+* warning: a failed ``auth``, with the peer.
+* debug: connections opening and closing, and every request with its reply
+  (:mod:`elockd.tracing`). Nothing per request is logged at info.
+
+The functions here are what the rest of the server calls, so a record's wording
+and fields are decided in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import sys
+from typing import IO, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import structlog
+
+from elockd import __version__
+from elockd.config import Config
+from elockd.locks import ENDED_SESSION_LIMIT
+from elockd.logthrottle import LogThrottle
+from elockd.sessions import Session
+
+log = logging.getLogger("elockd")
+
+FORMATS = ("text", "json")
+LEVELS = ("debug", "info", "warning", "error")
+#: Refusals at a limit come in floods (a connection storm, a runaway client): one
+#: line per limit and interval, with a count of the ones held back.
+REFUSAL_INTERVAL = 10.0
+
+
+def configure_logging(level: str, log_format: str, stream: IO[str] | None = None) -> None:
+    """Send every log record (elockd's and its libraries') to ``stream`` (stderr)
+    at ``level`` and above, rendered as ``log_format`` (``text`` or ``json``)."""
+    renderer: Any
+    if log_format == "json":
+        stamp = structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts")
+        renderer = structlog.processors.JSONRenderer()
+        extra_steps: list[Any] = [structlog.stdlib.add_logger_name]
+        final: list[Any] = [structlog.processors.format_exc_info, renderer]
+    else:
+        # ConsoleRenderer puts a "timestamp" first; no logger name, so a line
+        # without fields ends with its event ("elockd listening on HOST:PORT").
+        stamp = structlog.processors.TimeStamper(fmt="iso", utc=True, key="timestamp")
+        extra_steps = []
+        final = [structlog.dev.ConsoleRenderer(colors=False, pad_level=False)]
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            *extra_steps,
+            structlog.stdlib.ExtraAdder(),
+            stamp,
+        ],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+    )
+    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # httpx logs every etcd request at INFO: thousands a second on a cluster node.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # Python's warnings (deprecations from libraries) become records too, so a JSON
+    # log stays JSON throughout.
+    logging.captureWarnings(True)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without a password (``http://user:***@host``): etcd endpoints may
+    carry credentials, and the start-up record must not."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def effective_configuration(config: Config) -> dict[str, object]:
+    """Every setting as it is in force, fit for a log: secrets redacted. The token
+    file is named by its path (never read here); etcd URLs lose any password."""
+    settings = dataclasses.asdict(config)
+    if config.etcd:
+        settings["etcd"] = ",".join(redact_url(url) for url in config.etcd.split(","))
+    return settings
+
+
+def log_start(config: Config) -> None:
+    log.info(
+        "elockd starting",
+        extra={
+            "version": __version__,
+            "python": platform.python_version(),
+            **effective_configuration(config),
+        },
+    )
+
+
+def log_stop() -> None:
+    log.info("elockd stopped")
+
+
+def log_startup_failure(problem: str) -> None:
+    """One record for a start-up mistake (``--port 9999: address already in use``)."""
+    log.error("cannot start", extra={"problem": problem})
+
+
+def log_setting_note(note: str) -> None:
+    """Something about the settings worth a look (a deprecated flag, a stray
+    ``ELOCKD_*`` variable), found before logging was set up."""
+    log.warning("setting", extra={"note": note})
+
+
+def log_crash(error: BaseException) -> None:
+    log.critical("elockd stopped by an unexpected error", exc_info=error)
+
+
+def _text(data: bytes) -> str:
+    return data.decode(errors="backslashreplace")
+
+
+#: Failed `auth` comes in floods when someone guesses: one warning per 10 s, naming
+#: the peer, with a count of the others held back.
+_auth_failure_warning = LogThrottle(log, logging.WARNING, REFUSAL_INTERVAL)
+
+
+def log_auth_failure(peer: bytes) -> None:
+    """A wrong ``auth`` token: someone guessing, or a client with a stale token.
+    (The connection is closed after the reply; the delay is the protocol's.)"""
+    _auth_failure_warning("auth failed", fields={"peer": _text(peer)})
+
+
+#: Sessions ended at --max-sessions come in floods when a client churns: one warning
+#: per 10 s, with a count.
+_session_limit_warning = LogThrottle(log, logging.WARNING, REFUSAL_INTERVAL)
+
+
+def log_session_end(session: Session, exclusive: int, shared: int, why: str) -> None:
+    """The audit trail of orphans: who lost how many holds, and why. Wired to
+    :attr:`elockd.locks.LockEngine.on_session_end`, which reports only sessions
+    that held something."""
+    fields = {
+        "peer": _text(session.peer),
+        "client_name": None if session.name is None else _text(session.name),
+        "freed": exclusive + shared,
+        "exclusive": exclusive,
+        "shared": shared,
+        "why": why,
+    }
+    if why == ENDED_SESSION_LIMIT:
+        _session_limit_warning("session ended at --max-sessions", fields=fields)
+    else:
+        log.info("session ended holding locks", extra=fields)
+
+
+_refusals: dict[str, LogThrottle] = {}
+
+
+def log_refusal(limit: str, peer: bytes | None = None) -> None:
+    """A request or connection refused at the limit set by the flag ``limit``
+    (``--max-connections``, ``--max-holds``, ``--max-waiters``, ``--max-keys``):
+    at most one record per limit every :data:`REFUSAL_INTERVAL` seconds, counting
+    the ones held back."""
+    throttle = _refusals.get(limit)
+    if throttle is None:
+        throttle = _refusals[limit] = LogThrottle(log, logging.INFO, REFUSAL_INTERVAL)
+    fields = {"limit": limit}
+    if peer is not None:
+        fields["peer"] = _text(peer)
+    throttle("refused at a limit", fields=fields)
+
+
+def log_connection_open(peer: bytes) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("connection opened", extra={"peer": _text(peer)})
+
+
+def log_connection_close(peer: bytes) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("connection closed", extra={"peer": _text(peer)})
