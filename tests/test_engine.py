@@ -366,3 +366,20 @@ def test_a_single_shared_holder_costs_no_dict() -> None:
     assert [h.session for h in engine.shared_holds(b"s")] == [b]
     assert engine.release_shared(b, b"s", 1.0) == 0
     assert b"s" not in engine.shared and engine.shared_holders == 0
+
+
+def test_an_mlock_holding_one_key_already_is_granted_the_rest_before_older_waiters_of_it() -> None:
+    """s0 holds b; s1 waits for b; s0 mlocks a and b and waits for a only. When a comes
+    free, s0 has both: it overtook nobody on b, which it held before s1 queued."""
+    engine = LockEngine()
+    s0, s1, s2 = (engine.open_session(f"s{i}", b"p") for i in range(3))
+    assert engine.acquire(s2, b"a", 0.0)
+    assert engine.acquire(s0, b"b", 0.0)
+    older = engine.wait_for(s1, b"b", 0.0, timeout=10)
+    mlock = engine.request_many(s0, [b"a", b"b"], 0.0, wait=True, timeout=10)
+    assert isinstance(older, Waiter) and isinstance(mlock, Waiter)
+    engine.disconnect(s2, 1.0)
+    assert mlock.granted and older.waiting
+    assert engine.exclusive[b"a"].session is s0 and engine.exclusive[b"b"].session is s0
+    engine.release_all(s0, 2.0)
+    assert older.granted

@@ -46,7 +46,9 @@ class SliceMachine(RuleBasedStateMachine):
     def watch(self, waiter: Waiter) -> None:
         def woke() -> None:
             if waiter.state == GRANTED:
-                for key in waiter.keys:
+                # The keys it was handed while it waited: an mlock whose session held
+                # one of its keys already overtakes nobody there.
+                for key in waiter.taken if not waiter.shared else waiter.keys:
                     older = [
                         w for w in self.engine._xqueues.get(key, ()) if w.serial < waiter.serial
                     ]
