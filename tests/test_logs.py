@@ -23,6 +23,7 @@ from elockd import logs
 from elockd.commands import COMMANDS
 from elockd.config import Config
 from elockd.logs import configure_logging, effective_configuration, redact_url
+from elockd.logthrottle import LogThrottle
 from elockd.server import make_service, serve
 from tests.conftest import LineClient
 
@@ -178,13 +179,16 @@ def test_the_start_record_redacts_secrets() -> None:
     assert shown["auth_token_file"] == "/etc/elockd/token"
 
 
-def test_text_and_json_render_the_same_record() -> None:
+def test_text_and_json_render_the_same_record(monkeypatch: pytest.MonkeyPatch) -> None:
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     try:
         for log_format in ("text", "json"):
             stream = io.StringIO()
             configure_logging("info", log_format, stream)
+            # A throttle of its own per format: the server's allows one line per 10 s.
+            throttle = LogThrottle(logs.log, logging.WARNING)
+            monkeypatch.setattr(logs, "_auth_failure_warning", throttle)
             logs.log_auth_failure(b"10.1.2.3:4567")
             logging.getLogger("elockd").debug("not shown at info")
             (line,) = stream.getvalue().splitlines()
