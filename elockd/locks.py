@@ -52,20 +52,24 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 
-from elockd.deadlines import Deadlines
-from elockd.sessions import Hold, Session
+from elockd.backend import Bookkeeping, QueueFull, TooManyHolds
+from elockd.sessions import CANCELLED, GRANTED, WAITING, Hold, Session, Waiter
 
-WAITING = 0
-GRANTED = 1
-CANCELLED = 2
-
-
-class QueueFull(Exception):
-    """A key's queue already holds ``max_waiters`` requests."""
-
-
-class TooManyHolds(Exception):
-    """The session already has ``max_holds`` holds; a new one would pass the limit."""
+# Re-exported: the engine's callers (and its tests) name them through this module.
+__all__ = [
+    "CANCELLED",
+    "ENDED_DISCONNECTED",
+    "ENDED_GRACE_EXPIRED",
+    "ENDED_SESSION_LIMIT",
+    "FREE_SLICE",
+    "GRANTED",
+    "WAITING",
+    "Blocked",
+    "LockEngine",
+    "QueueFull",
+    "TooManyHolds",
+    "Waiter",
+]
 
 
 #: Holds freed per slice when sessions end in a crowd (10,000 connections holding a
@@ -79,64 +83,6 @@ ENDED_GRACE_EXPIRED = "grace expired"
 ENDED_SESSION_LIMIT = "session limit"
 
 
-class Waiter:
-    """One request that could not be granted at once and chose to wait.
-
-    ``keys`` has one key for ``lock``/``lock_shared`` and several for ``mlock``.
-    ``taken`` lists the keys an ``mlock`` waiter already holds while it waits for the
-    rest; they are freed again if it gives up. ``count`` is the number of shared
-    holders right after a shared grant (the ``200 N`` reply).
-    """
-
-    __slots__ = (
-        "count",
-        "deadline",
-        "keys",
-        "limit",
-        "missing",
-        "serial",
-        "session",
-        "shared",
-        "since",
-        "state",
-        "taken",
-        "ttl",
-        "wake",
-    )
-
-    def __init__(
-        self,
-        session: Session,
-        keys: tuple[bytes, ...],
-        *,
-        shared: bool,
-        limit: int,
-        ttl: float | None,
-        since: float,
-    ) -> None:
-        self.session = session
-        self.keys = keys
-        self.shared = shared
-        self.limit = limit
-        self.ttl = ttl
-        self.since = since
-        self.serial = 0  # arrival order, set when it starts waiting
-        self.state = WAITING
-        self.taken: list[bytes] = []
-        self.missing = len(keys)
-        self.count = 0
-        self.deadline = math.inf  # when the wait gives up (the engine times it out)
-        self.wake: Callable[[], None] | None = None
-
-    @property
-    def granted(self) -> bool:
-        return self.state == GRANTED
-
-    @property
-    def waiting(self) -> bool:
-        return self.state == WAITING
-
-
 Queue = OrderedDict[Waiter, None]
 
 
@@ -145,7 +91,7 @@ Queue = OrderedDict[Waiter, None]
 Blocked = list[bytes]
 
 
-class LockEngine:
+class LockEngine(Bookkeeping):
     """Exclusive and counted shared locks with FIFO waits, leases and sessions."""
 
     def __init__(
@@ -172,6 +118,7 @@ class LockEngine:
         ``free_slice`` is how many holds of ending sessions one slice frees.
         ``on_session_end(session, exclusive, shared, why)`` hears of every session whose
         plain holds were freed because it ended (the audit trail of orphans)."""
+        super().__init__(max_holds=max_holds, max_waiters=max_waiters)
         self.sessions: dict[str, Session] = {}
         self.exclusive: dict[bytes, Hold] = {}
         # A shared key taken by one holder maps to that Hold; from a second holder on
@@ -181,7 +128,6 @@ class LockEngine:
         self.shared: dict[bytes, Hold | dict[Session, Hold]] = {}
         self._xqueues: dict[bytes, Queue] = {}
         self._squeues: dict[bytes, Queue] = {}
-        self._deadlines: Deadlines[Hold | Session | Waiter] = Deadlines(_carries)
         # Sessions whose holds wait to be freed in a later slice, and how many holds
         # this slice may still free inline (reset by advance()).
         self._ending: deque[tuple[Session, str]] = deque()
@@ -189,31 +135,17 @@ class LockEngine:
         self._free_budget = free_slice
         self._arrivals = itertools.count(1)
         self._next_token = first_token
-        self.max_waiters = max_waiters
-        self.max_holds = max_holds
         self.max_sessions = max_sessions
-        self.on_session_end: Callable[[Session, int, int, str], None] | None = None
         self.on_new_deadline = on_new_deadline
         self.on_hold_end = on_hold_end
         self.on_wait_end = on_wait_end
         self.on_holds_end = on_holds_end
-        # Counters read by `q`, `stats` and /metrics.
-        self.orphans = 0
-        self.shared_orphans = 0
-        self.expired = 0
-        self.timeouts = 0
         self.waiting = 0
-        self.leases = 0
         # Kept as ints on the existing paths so /metrics reads them in O(1): counting
         # them at scrape time would walk every shared key or every session.
         self.shared_holders = 0
-        self.sessions_in_grace = 0
         # Sessions in self.sessions without a connection (grace, leases, or ending).
         self.detached = 0
-
-    def extra_counters(self) -> dict[str, int]:
-        """Backend-specific `q` counters: none for the in-memory engine."""
-        return {}
 
     # ---------------------------------------------------------------- sessions
 
@@ -236,10 +168,7 @@ class LockEngine:
         if lives_on and self.detached > self.max_sessions:
             self._end_now(session, now)
         elif session.grace > 0:
-            if session.grace_deadline is None:
-                self.sessions_in_grace += 1
-            session.grace_deadline = now + session.grace
-            self._schedule(session.grace_deadline, session)
+            self.start_grace(session, now)
         else:
             self._end_grace(session, now)
 
@@ -260,24 +189,15 @@ class LockEngine:
         target = self.sessions.get(session_id)
         if target is None or target.connected or target.ending or not current.is_empty():
             return None
-        target.connected = True
         self.detached -= 1
-        if target.grace_deadline is not None:
-            self.sessions_in_grace -= 1
-        target.grace_deadline = None  # its heap entry goes stale
-        target.peer = current.peer
-        if current.name is not None:
-            target.name = current.name
-        current.connected = False
+        self.adopt(target, current)
         self.sessions.pop(current.id, None)
         return target
 
     def _end_grace(self, session: Session, now: float, why: str = ENDED_DISCONNECTED) -> None:
         """Free the session's plain holds (they are orphans now): inline while this
         slice's budget lasts, else in a later slice of :meth:`advance`."""
-        if session.grace_deadline is not None:
-            self.sessions_in_grace -= 1
-        session.grace_deadline = None
+        self.stop_grace(session)
         holds = len(session.exclusive) + len(session.shared)
         if holds > self._free_budget:
             session.ending = True  # its holds stay held until then; conn_id refuses it
@@ -372,7 +292,7 @@ class LockEngine:
             return True
         if hold.session is session:
             if ttl is not None:
-                self._set_lease(hold, now + ttl)
+                self.set_lease(hold, now + ttl)
             return True
         return False
 
@@ -388,7 +308,7 @@ class LockEngine:
         (then the waiter is cancelled and woken). None means granted at once."""
         if self.acquire(session, key, now, ttl):
             return None
-        self._check_hold_room(session, 1)
+        self.check_hold_room(session, 1)
         self._check_room(self._xqueues, (key,))
         waiter = Waiter(session, (key,), shared=False, limit=1, ttl=ttl, since=now)
         _enqueue(self._xqueues, key, waiter)
@@ -408,7 +328,7 @@ class LockEngine:
         self.exclusive[key] = hold
         session.exclusive[key] = hold
         if ttl is not None:
-            self._set_lease(hold, now + ttl)
+            self.set_lease(hold, now + ttl)
         return hold
 
     # --------------------------------------------------------------- multi-key
@@ -432,14 +352,14 @@ class LockEngine:
         wanted = tuple(dict.fromkeys(keys))
         blocked = [k for k in wanted if self._held_by_other(session, k)]
         if not blocked:
-            self._check_hold_room(session, sum(k not in session.exclusive for k in wanted))
+            self.check_hold_room(session, sum(k not in session.exclusive for k in wanted))
             for key in wanted:
                 self.acquire(session, key, now, ttl)
             return None
         if not wait:
             return blocked
         missing = [k for k in wanted if k not in session.exclusive]
-        self._check_hold_room(session, len(missing))
+        self.check_hold_room(session, len(missing))
         self._check_room(self._xqueues, missing)
         waiter = Waiter(session, wanted, shared=False, limit=1, ttl=ttl, since=now)
         waiter.missing = len(missing)
@@ -481,12 +401,12 @@ class LockEngine:
         own = session.shared.get(key)
         if own is not None:
             if ttl is not None:
-                self._set_lease(own, now + ttl)
+                self.set_lease(own, now + ttl)
             return True, self.shared_count(key)
         count = self.shared_count(key)
         if limit is not None and (count >= limit or key in self._squeues):
             return False, count
-        self._check_hold_room(session, 1)
+        self.check_hold_room(session, 1)
         return True, self._grant_shared(session, key, now, ttl)
 
     def _grant_shared(self, session: Session, key: bytes, now: float, ttl: float | None) -> int:
@@ -508,7 +428,7 @@ class LockEngine:
         self.shared_holders += 1
         session.shared[key] = hold
         if ttl is not None:
-            self._set_lease(hold, now + ttl)
+            self.set_lease(hold, now + ttl)
         return count
 
     def wait_shared(
@@ -526,7 +446,7 @@ class LockEngine:
         granted, count = self.acquire_shared(session, key, now, limit=limit, ttl=ttl)
         if granted:
             return count
-        self._check_hold_room(session, 1)
+        self.check_hold_room(session, 1)
         self._check_room(self._squeues, (key,))
         waiter = Waiter(session, (key,), shared=True, limit=limit, ttl=ttl, since=now)
         _enqueue(self._squeues, key, waiter)
@@ -575,18 +495,13 @@ class LockEngine:
         hold = session.exclusive.get(key) or session.shared.get(key)
         if hold is None:
             return False
-        self._set_lease(hold, now + ttl)
+        self.set_lease(hold, now + ttl)
         return True
 
     def _free(self, hold: Hold, now: float) -> None:
         """Remove a hold from every table, then hand the key to its next waiter(s)."""
         session, key = hold.session, hold.key
-        if hold.lease_deadline is not None:
-            hold.lease_deadline = None  # its heap entry goes stale
-            self.leases -= 1
-            session.leases -= 1
-        if self.on_hold_end is not None:
-            self.on_hold_end(hold.shared, now - hold.granted_at)
+        self.hold_ended(hold, now)
         if hold.shared:
             self._unshare(hold)
             self.shared_holders -= 1
@@ -642,10 +557,6 @@ class LockEngine:
 
     # ----------------------------------------------------------------- waiters
 
-    def _check_hold_room(self, session: Session, new: int) -> None:
-        if len(session.exclusive) + len(session.shared) + new > self.max_holds:
-            raise TooManyHolds
-
     def _check_room(self, queues: dict[bytes, Queue], keys: Iterable[bytes]) -> None:
         for key in keys:
             queue = queues.get(key)
@@ -658,7 +569,7 @@ class LockEngine:
         self.waiting += 1
         if deadline < math.inf:
             waiter.deadline = deadline
-            self._schedule(deadline, waiter)
+            self.schedule(deadline, waiter)
 
     def _complete(self, waiter: Waiter, now: float) -> None:
         waiter.state = GRANTED
@@ -669,7 +580,7 @@ class LockEngine:
         if waiter.ttl is not None:
             table = waiter.session.shared if waiter.shared else waiter.session.exclusive
             for key in waiter.keys:
-                self._set_lease(table[key], now + waiter.ttl)
+                self.set_lease(table[key], now + waiter.ttl)
         if waiter.wake is not None:
             waiter.wake()
 
@@ -712,19 +623,6 @@ class LockEngine:
             waiter.wake()
 
     # ------------------------------------------------------------------ leases
-
-    def _set_lease(self, hold: Hold, deadline: float) -> None:
-        if hold.lease_deadline == deadline:
-            return  # its entry is in the heap already (renews pipelined in one tick)
-        if hold.lease_deadline is None:
-            self.leases += 1
-            hold.session.leases += 1
-        hold.lease_deadline = deadline
-        self._schedule(deadline, hold)
-
-    def _schedule(self, deadline: float, target: Hold | Session | Waiter) -> None:
-        if self._deadlines.add(deadline, target) and self.on_new_deadline is not None:
-            self.on_new_deadline()
 
     def next_deadline(self) -> float | None:
         """When :meth:`advance` next has work (possibly a stale entry), or None;
@@ -782,17 +680,6 @@ class LockEngine:
     def waiting_for(self, key: bytes) -> int:
         """Requests waiting for ``key``, in either table."""
         return len(self._xqueues.get(key, ())) + len(self._squeues.get(key, ()))
-
-
-def _carries(deadline: float, target: Hold | Session | Waiter) -> bool:
-    """Whether a deadline-heap entry is current: its target still ends at
-    ``deadline`` (a renewed or freed lease, a granted or cancelled wait, a session
-    taken over or ended leaves a stale entry behind)."""
-    if isinstance(target, Hold):
-        return target.lease_deadline == deadline
-    if isinstance(target, Waiter):
-        return target.state == WAITING and target.deadline == deadline
-    return target.grace_deadline == deadline and not target.connected
 
 
 def _enqueue(queues: dict[bytes, Queue], key: bytes, waiter: Waiter) -> Queue:

@@ -1,85 +1,96 @@
-"""Sans-IO request handling: a request line in, a reply (or a wait) out.
+"""Sans-IO request handling: a request line in, a reply out.
 
 A :class:`Connection` is one client's view of the lock service. The server feeds it
 the lines that :class:`elockd.framing.LineReader` cut from the socket and writes
 back what it returns; nothing here touches a socket or a clock, so every reply of
-PROTOCOL.md is a one-line unit test. Requests that wait return a :class:`Pending`,
-which the server awaits and then asks for its final reply; multi-line replies that
-grow with the tables return a :class:`Streamed`, which the server sends a chunk at a
-time, as fast as the client reads.
+docs/protocol.md is a one-line unit test.
 
-One table (:data:`COMMANDS`, built from :mod:`elockd.terse` and :mod:`elockd.word`)
-maps each verb to its handler; the dispatcher counts the verb, then calls it.
+A reply is one of:
+
+* ``bytes``: the reply, now (almost every request);
+* :class:`Outcome`: a reply that comes later, because the request waits for a grant
+  or needs the backend's I/O. It finishes itself: the server awaits
+  :meth:`Outcome.settle` (racing it against the client going away when it waits);
+* :class:`Streamed`: a multi-line reply that grows with the tables (a dump), sent a
+  chunk at a time as fast as the client reads;
+* :class:`Delayed`: a reply held back on purpose (a wrong ``auth`` token).
+
+The verbs come from a declarative table (:mod:`elockd.commands`) that the caller
+passes in: each :class:`Command` declares its family, arguments, whether it needs
+``auth``, and its handler. The dispatcher counts the verb, splits a word request's
+arguments by the declaration, and calls the handler.
 """
 
 from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
+from elockd.arguments import Args, BadRequest
+from elockd.backend import Backend, BackendUnavailable, Later, QueueFull, Result, TooManyHolds
 from elockd.config import Config
-from elockd.locks import LockEngine, TooManyHolds, Waiter
 from elockd.logs import log_refusal
 from elockd.replies import STYLES, TerseReplies
-from elockd.stats import Backend, Counters, Timings, snapshot
+from elockd.stats import Counters, Timings, snapshot
+
+T = TypeVar("T")
 
 LINE_TOO_LONG = b"0 Line Too Long\r\n"
-TERSE_AUTH_REQUIRED = b"0 Auth Required\r\n"
-WORD_AUTH_REQUIRED = b"403 Auth Required\r\n"
-TERSE_TOO_MANY_HOLDS = b"0 Too Many Holds\r\n"
-WORD_TOO_MANY_HOLDS = b"413 Too Many Holds\r\n"
 INVALID_VERB_SHOWN = 64  # bytes of an unknown verb echoed back
 
 
-class BadRequest(Exception):
-    """Raised by a word handler for bad arguments; becomes ``400 Bad Request: …``."""
+class Family:
+    """A command family: how its clients are told a request was refused outside the
+    verb's own replies (``0 …`` for lockd clients, which read the leading integer;
+    ``4xx …`` for the word family)."""
 
-
-class BackendUnavailable(Exception):
-    """The lock backend cannot decide now (etcd has no quorum): the request fails
-    closed with :data:`TERSE_UNAVAILABLE` or :data:`WORD_UNAVAILABLE`."""
-
-
-TERSE_UNAVAILABLE = b"0 Backend Unavailable\r\n"
-WORD_UNAVAILABLE = b"409 Backend Unavailable\r\n"
-
-
-class Pending:
-    """A request that waits for a grant, at most ``timeout`` seconds.
-
-    The engine keeps the deadline (so 10,000 waits that end together are timed out
-    a slice at a time, not all in one scheduler batch) and calls ``waiter.wake`` on
-    the grant or the timeout; the server points that at an event, waits for it, then
-    calls :meth:`finish` for the reply. Finishing a waiter that still waits (its
-    client went away) cancels it and counts a timeout, so a waiter that gave up can
-    never be granted later.
-    """
-
-    __slots__ = ("connection", "on_granted", "on_refused", "timeout", "waiter")
+    __slots__ = ("auth_required", "name", "too_many_holds", "too_many_waiters", "unavailable")
 
     def __init__(
         self,
-        connection: Connection,
-        waiter: Waiter,
-        timeout: float,
-        on_granted: Callable[[], bytes],
-        on_refused: Callable[[list[bytes]], bytes],
+        name: str,
+        *,
+        auth_required: bytes,
+        too_many_holds: bytes,
+        too_many_waiters: bytes,
+        unavailable: bytes,
     ) -> None:
-        self.connection = connection
-        self.waiter = waiter
-        self.timeout = timeout
-        self.on_granted = on_granted
-        self.on_refused = on_refused
+        self.name = name
+        self.auth_required = auth_required
+        self.too_many_holds = too_many_holds
+        self.too_many_waiters = too_many_waiters
+        self.unavailable = unavailable
 
-    def finish(self, now: float) -> bytes:
-        waiter = self.waiter
-        if waiter.granted:
-            return self.on_granted()
-        engine = self.connection.service.engine
-        if waiter.waiting:
-            return self.on_refused(engine.cancel(waiter, now, timed_out=True))
-        return self.on_refused(engine.blocked_keys(waiter))  # the engine timed it out
+    def refusal(self, error: Exception, peer: bytes) -> bytes:
+        """The reply for a backend's refusal (logged: limit refusals are what an
+        operator tunes a flag for)."""
+        if isinstance(error, TooManyHolds):
+            log_refusal("--max-holds", peer)
+            return self.too_many_holds
+        if isinstance(error, QueueFull):
+            log_refusal("--max-waiters", peer)
+            return self.too_many_waiters
+        return self.unavailable
+
+
+TERSE = Family(
+    "terse",
+    auth_required=b"0 Auth Required\r\n",
+    too_many_holds=b"0 Too Many Holds\r\n",
+    too_many_waiters=b"0 Too Many Waiters\r\n",  # never: terse requests do not wait
+    unavailable=b"0 Backend Unavailable\r\n",
+)
+WORD = Family(
+    "word",
+    auth_required=b"403 Auth Required\r\n",
+    too_many_holds=b"413 Too Many Holds\r\n",
+    too_many_waiters=b"413 Too Many Waiters\r\n",
+    unavailable=b"409 Backend Unavailable\r\n",
+)
+#: What the backend may refuse a request with, in any family.
+REFUSALS = (TooManyHolds, QueueFull, BackendUnavailable)
 
 
 class Streamed:
@@ -110,66 +121,131 @@ class Delayed:
         self.seconds = seconds
 
 
-class Deferred:
-    """A reply that needs the backend's I/O first (the etcd backend): the server
-    awaits :meth:`settle`. ``waits`` marks requests that may wait for a grant, which
-    the server abandons when the peer goes away."""
+class Outcome:
+    """A reply that comes later: the backend's :class:`~elockd.backend.Later` result,
+    and what turns it into the reply. ``waits`` marks a request waiting for a grant,
+    which the server abandons when its client goes away."""
 
-    __slots__ = ("run", "waits", "word")
+    __slots__ = ("family", "finish", "later", "peer")
 
     def __init__(
         self,
-        run: Callable[[], Awaitable[bytes | Streamed]],
-        *,
-        word: bool,
-        waits: bool = False,
-    ):
-        self.run = run
-        self.word = word
-        self.waits = waits
+        later: Later[Any],
+        finish: Callable[[Any], bytes | Streamed],
+        family: Family,
+        peer: bytes,
+    ) -> None:
+        self.later = later
+        self.finish = finish
+        self.family = family
+        self.peer = peer
+
+    @property
+    def waits(self) -> bool:
+        return self.later.waits
 
     async def settle(self) -> bytes | Streamed:
+        """The reply, once the backend has answered (a refusal in the family's style
+        when it refused: a limit, or etcd without quorum)."""
         try:
-            return await self.run()
-        except BackendUnavailable:
-            return WORD_UNAVAILABLE if self.word else TERSE_UNAVAILABLE
-        except TooManyHolds:
-            log_refusal("--max-holds")
-            return WORD_TOO_MANY_HOLDS if self.word else TERSE_TOO_MANY_HOLDS
+            value = await self.later.run()
+        except REFUSALS as error:
+            return self.family.refusal(error, self.peer)
+        return self.finish(value)
 
 
-Reply = bytes | Pending | Deferred | Streamed | Delayed
-Handler = Callable[["Connection", bytes, float], Reply]
+Reply = bytes | Outcome | Streamed | Delayed
+#: A handler: (connection, what follows the verb, now) for the terse family, and
+#: (connection, the split arguments, now) for the word family.
+Handler = Callable[["Connection", Any, float], Reply]
+
+
+def answer(
+    result: Result[T], finish: Callable[[T], bytes | Streamed], family: Family, peer: bytes
+) -> Reply:
+    """The reply to a backend operation's result: ``finish(value)`` now, or an
+    :class:`Outcome` that finishes the same way once the value comes."""
+    if isinstance(result, Later):
+        return Outcome(result, finish, family, peer)
+    return finish(result)
+
+
+class Command:
+    """One verb of the table: its family, what it takes, whether it may be asked
+    before ``auth``, and its handler. A word verb takes at most ``arguments``
+    positional arguments and the ``options`` named; the dispatcher splits them into
+    :class:`~elockd.arguments.Args` before the handler runs. A terse verb's handler
+    gets the rest of the line (its key is the whole of it)."""
+
+    __slots__ = (
+        "arguments",
+        "call",
+        "family",
+        "handler",
+        "needs_auth",
+        "options",
+        "raw",
+        "verb",
+    )
+
+    def __init__(
+        self,
+        verb: bytes,
+        family: Family,
+        handler: Handler,
+        *,
+        arguments: int = 0,
+        options: frozenset[bytes] = frozenset(),
+        needs_auth: bool = True,
+        raw: bool = False,
+    ) -> None:
+        """``raw``: a word verb whose handler takes the rest of the line as it is
+        (``auth``: a token may hold blanks)."""
+        self.verb = verb
+        self.family = family
+        self.handler = handler
+        self.arguments = arguments
+        self.options = options
+        self.needs_auth = needs_auth
+        self.raw = raw
+        # What the dispatcher calls: the handler itself when it takes the rest of
+        # the line (the terse family: the hot path pays no extra call), else one
+        # that splits the arguments first.
+        self.call: Callable[[Connection, bytes, float], Reply] = (
+            handler if family is TERSE or raw else self._split_then_handle
+        )
+
+    def _split_then_handle(self, conn: Connection, rest: bytes, now: float) -> Reply:
+        args = Args(rest, self.options, self.arguments, conn.service.config.max_ttl)
+        return self.handler(conn, args, now)
+
+
+def _refused_before_auth(command: Command) -> Command:
+    """The stand-in for ``command`` until ``auth`` succeeds: refused, nothing done."""
+    refusal = command.family.auth_required
+    return Command(command.verb, TERSE, lambda conn, rest, now: refusal)
 
 
 class Service:
-    """What every connection shares: the engine, the counters, the settings."""
+    """What every connection shares: the backend, the command table, the counters,
+    the settings."""
 
     def __init__(
         self,
         config: Config,
-        engine: LockEngine,
+        backend: Backend,
+        commands: Mapping[bytes, Command],
         auth_token: bytes | None = None,
-        *,
-        backend: Backend | None = None,
-        commands: dict[bytes, Handler] | None = None,
     ) -> None:
-        """``engine`` answers the lock verbs of the default command table. A cluster
-        node passes its ``backend`` and the ``commands`` that use it; ``engine``
-        then only stands idle."""
-        from elockd.commands import COMMANDS, WORD_VERBS
-
         self.config = config
-        self.engine = engine
-        self.backend: Backend = engine if backend is None else backend
-        self.commands: dict[bytes, Handler] = COMMANDS if commands is None else commands
+        self.backend = backend
+        self.commands = commands
         # Runs beside the listeners for the server's lifetime (the cluster's watch
         # and keepalives), started before the first connection is accepted.
         self.background: Callable[..., Awaitable[None]] | None = None
-        self.word_verbs = WORD_VERBS
         self.replies: TerseReplies = STYLES[config.replies]
-        self.counters = Counters(list(COMMANDS))
-        # Wait and hold times for /metrics; the engine feeds them only once a
+        self.counters = Counters(list(self.commands))
+        # Wait and hold times for /metrics; the backend feeds them only once a
         # metrics registry asks for them (feed_timings), so without a metrics port
         # no release pays for the hook.
         self.timings = Timings()
@@ -178,21 +254,21 @@ class Service:
         self.named: dict[Connection, None] = {}
         self.auth_token = auth_token
         # Before `auth` succeeds a connection dispatches through this table, where
-        # every verb but `auth` is refused: no per-request check on the hot path.
-        self.unauthenticated_commands: dict[bytes, Handler] = {
-            verb: _refuse_word if verb in WORD_VERBS else _refuse_terse for verb in self.commands
+        # every verb that needs auth is refused: no per-request check on the hot path.
+        self.unauthenticated_commands = {
+            verb: command if not command.needs_auth else _refused_before_auth(command)
+            for verb, command in self.commands.items()
         }
-        self.unauthenticated_commands[b"auth"] = self.commands[b"auth"]
 
     def feed_timings(self) -> None:
-        """Point the engine's wait and hold hooks at :attr:`timings` (unless the
+        """Point the backend's wait and hold hooks at :attr:`timings` (unless the
         caller wired its own)."""
-        engine = self.backend
-        if engine.on_wait_end is None:
-            engine.on_wait_end = self.timings.wait_ended
-        if engine.on_hold_end is None:
-            engine.on_hold_end = self.timings.hold_ended
-            engine.on_holds_end = self.timings.holds_ended
+        backend = self.backend
+        if backend.on_wait_end is None:
+            backend.on_wait_end = self.timings.wait_ended
+        if backend.on_hold_end is None:
+            backend.on_hold_end = self.timings.hold_ended
+            backend.on_holds_end = self.timings.holds_ended
 
     def snapshot(self) -> dict[str, int]:
         return snapshot(self.backend, self.counters)
@@ -207,10 +283,10 @@ class Connection:
 
     __slots__ = (
         "abort",
+        "backend",
         "closing",
         "command_counts",
         "commands",
-        "engine",
         "peer",
         "replies",
         "service",
@@ -219,7 +295,7 @@ class Connection:
 
     def __init__(self, service: Service, peer: bytes) -> None:
         self.service = service
-        self.engine = service.engine
+        self.backend = service.backend
         self.replies = service.replies
         self.peer = peer
         self.session = service.backend.open_session(service.new_session_id(), peer)
@@ -239,7 +315,7 @@ class Connection:
 
         This runs once per request, so the common shape (``verb`` or ``verb args``
         with single spaces) is split with one ``partition``; anything else (leading
-        blanks, tabs, unknown verbs) takes :meth:`_split_carefully`.
+        blanks, tabs, unknown verbs) takes :func:`_split_carefully`.
         """
         if line is None:
             self.service.counters.invalid_commands += 1
@@ -247,23 +323,20 @@ class Connection:
         if line[-1:] == b"\r":
             line = line[:-1]
         verb, _, rest = line.partition(b" ")
-        handler = self.commands.get(verb)
-        if handler is None:
+        command = self.commands.get(verb)
+        if command is None:
             verb, rest = _split_carefully(line)
-            handler = self.commands.get(verb)
-            if handler is None:
+            command = self.commands.get(verb)
+            if command is None:
                 self.service.counters.invalid_commands += 1
                 return b"0 Invalid Command: %s\r\n" % verb[:INVALID_VERB_SHOWN]
         self.command_counts[verb] += 1
         try:
-            return handler(self, rest, now)
+            return command.call(self, rest, now)
         except BadRequest as error:
             return b"400 Bad Request: %s\r\n" % str(error).encode()
-        except TooManyHolds:
-            log_refusal("--max-holds", self.peer)
-            if verb in self.service.word_verbs:
-                return WORD_TOO_MANY_HOLDS
-            return TERSE_TOO_MANY_HOLDS
+        except REFUSALS as error:
+            return command.family.refusal(error, self.peer)
 
     def check_token(self, token: bytes) -> bool:
         """``auth TOKEN``: constant-time comparison, so timing leaks nothing."""
@@ -295,11 +368,3 @@ def _split_carefully(line: bytes) -> tuple[bytes, bytes]:
     if cut < 0:
         return line, b""
     return line[:cut], line[cut + 1 :]
-
-
-def _refuse_terse(conn: Connection, rest: bytes, now: float) -> Reply:
-    return TERSE_AUTH_REQUIRED
-
-
-def _refuse_word(conn: Connection, rest: bytes, now: float) -> Reply:
-    return WORD_AUTH_REQUIRED

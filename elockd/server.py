@@ -32,13 +32,15 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
+from elockd.backend import Backend
+from elockd.commands import COMMANDS
 from elockd.config import Config
 from elockd.framing import LineReader
-from elockd.locks import LockEngine
 from elockd.logs import log_connection_close, log_connection_open, log_refusal, log_session_end
 from elockd.logthrottle import LogThrottle
+from elockd.memory import MemoryBackend
 from elockd.metrics import serve_metrics
-from elockd.protocol import Connection, Deferred, Delayed, Pending, Service, Streamed
+from elockd.protocol import Connection, Delayed, Outcome, Reply, Service, Streamed
 from elockd.startup import (
     LOCK_PORT_HINT,
     METRICS_PORT_HINT,
@@ -46,7 +48,6 @@ from elockd.startup import (
     blame_address,
     blame_file,
 )
-from elockd.stats import Backend
 from elockd.tracing import trace_requests
 from elockd.transport import SocketTransport, StreamTransport, Transport
 
@@ -95,7 +96,12 @@ async def serve_connection(service: Service, transport: Transport, peer: bytes) 
 async def _serve_requests(
     conn: Connection, reader: LineReader, transport: Transport, idle_timeout: float | None
 ) -> None:
-    """Read, answer and write until the peer leaves or asks to close."""
+    """Read, answer and write until the peer leaves or asks to close.
+
+    The fast path: every complete line of a received chunk is answered at once, and
+    the replies go out in one write (or every :data:`REPLY_FLUSH_BYTES`). A reply
+    that is not ready (a wait, the backend's I/O, a dump) takes :func:`deliver`,
+    after the replies before it went out, so they stay in order."""
     while not conn.closing:
         if idle_timeout is None:
             data = await transport.receive()
@@ -110,32 +116,18 @@ async def _serve_requests(
         buffered = 0
         for line in reader.feed(data):
             reply = conn.handle(line, now)
-            if type(reply) is not bytes:
+            if reply.__class__ is not bytes:
                 if replies:
                     await transport.send(b"".join(replies))
                     replies.clear()
                     buffered = 0
-                if isinstance(reply, Streamed):
-                    await send_streamed(reply, transport)
-                    now = trio.current_time()
-                    continue
-                final: bytes | Streamed | None
-                if isinstance(reply, Pending):
-                    final = await wait_for_grant(reply, transport)
-                elif isinstance(reply, Delayed):
-                    await trio.sleep(reply.seconds)
-                    final = reply.reply
-                else:
-                    assert isinstance(reply, Deferred)
-                    final = await settle_deferred(reply, transport)
-                if final is None:  # the peer left while waiting
-                    return
-                if isinstance(final, Streamed):
-                    await send_streamed(final, transport)
-                    now = trio.current_time()
-                    continue
-                reply = final
+                if not await deliver(reply, transport):
+                    return  # the client left while its request waited
+                if conn.closing:
+                    break
                 now = trio.current_time()
+                continue
+            assert isinstance(reply, bytes)
             replies.append(reply)
             if conn.closing:
                 break
@@ -152,51 +144,35 @@ async def _serve_requests(
             await transport.send(b"".join(replies))
 
 
-async def send_streamed(reply: Streamed, transport: Transport) -> None:
-    """Send a streamed reply a chunk at a time: the next chunk is made only after the
-    last one went out (a client that does not read stops the dump, not the server),
-    and other connections run between chunks."""
-    for chunk in reply.chunks:
-        await transport.send(chunk)
-        await trio.lowlevel.checkpoint()
+async def deliver(reply: Reply, transport: Transport) -> bool:
+    """Send a reply that was not ready at once; False when the client went away while
+    its request waited (its session's disconnect then cancels the wait)."""
+    if isinstance(reply, Outcome):
+        settled = await settle(reply, transport)
+        if settled is None:
+            return False
+        reply = settled
+    elif isinstance(reply, Delayed):
+        await trio.sleep(reply.seconds)
+        reply = reply.reply
+    if isinstance(reply, Streamed):
+        await send_streamed(reply, transport)
+    else:
+        assert isinstance(reply, bytes)
+        await transport.send(reply)
+    return True
 
 
-async def wait_for_grant(pending: Pending, transport: Transport) -> bytes | None:
-    """Wait until the request is granted or times out (the engine keeps the deadline
-    and wakes us either way): its reply. None when the peer disconnected first (its
-    session's disconnect then cancels the wait)."""
-    waiter = pending.waiter
-    peer_gone = False
-    if waiter.waiting:
-        granted = trio.Event()
-        waiter.wake = granted.set
-
-        async def watch_peer() -> None:
-            nonlocal peer_gone
-            await transport.watch_for_close()
-            peer_gone = True
-            nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_peer)
-            await granted.wait()
-            nursery.cancel_scope.cancel()
-        waiter.wake = None
-    if peer_gone and not waiter.granted:
-        return None
-    return pending.finish(trio.current_time())
-
-
-async def settle_deferred(deferred: Deferred, transport: Transport) -> bytes | Streamed | None:
-    """The reply of a request the backend answers with I/O. A request that may wait
-    is abandoned (None) when the peer goes away, as :func:`wait_for_grant` does."""
-    if not deferred.waits:
-        return await deferred.settle()
+async def settle(outcome: Outcome, transport: Transport) -> bytes | Streamed | None:
+    """An outcome's reply. One that waits for a grant is raced against the client
+    going away, and abandoned (None) if it does first."""
+    if not outcome.waits:
+        return await outcome.settle()
     reply: bytes | Streamed | None = None
 
-    async def settle() -> None:
+    async def run() -> None:
         nonlocal reply
-        reply = await deferred.settle()
+        reply = await outcome.settle()
         nursery.cancel_scope.cancel()
 
     async def watch_peer() -> None:
@@ -204,9 +180,18 @@ async def settle_deferred(deferred: Deferred, transport: Transport) -> bytes | S
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(settle)
+        nursery.start_soon(run)
         nursery.start_soon(watch_peer)
     return reply
+
+
+async def send_streamed(reply: Streamed, transport: Transport) -> None:
+    """Send a streamed reply a chunk at a time: the next chunk is made only after the
+    last one went out (a client that does not read stops the dump, not the server),
+    and other connections run between chunks."""
+    for chunk in reply.chunks:
+        await transport.send(chunk)
+        await trio.lowlevel.checkpoint()
 
 
 class DeadlineTimer:
@@ -525,32 +510,35 @@ def raise_open_file_limit() -> int:
 
 
 def make_service(config: Config) -> Service:
-    """The engine and service the server runs. Fencing tokens are seeded from the
-    wall clock in nanoseconds, so they keep increasing across restarts as long as
-    the clock does not step back and fewer than 10^9 tokens a second are issued."""
-    engine = LockEngine(
-        first_token=time.time_ns(),
-        max_waiters=config.max_waiters,
-        max_holds=config.max_holds,
-        max_sessions=config.max_sessions,
-    )
-    engine.on_session_end = log_session_end
+    """The backend and service the server runs: in memory, or a cluster node."""
     token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
-    if config.etcd:
-        service = make_cluster_service(config, engine, token)
-    else:
-        service = Service(config, engine, auth_token=token)
+    backend: Backend = make_cluster_backend(config) if config.etcd else make_memory_backend(config)
+    backend.on_session_end = log_session_end
+    service = Service(config, backend, COMMANDS, token)
+    background = getattr(backend, "run", None)
+    service.background = background
     if log.isEnabledFor(logging.DEBUG):  # the plain command table costs nothing
         trace_requests(service)
     return service
 
 
+def make_memory_backend(config: Config) -> MemoryBackend:
+    """Every lock in this process. Fencing tokens are seeded from the wall clock in
+    nanoseconds, so they keep increasing across restarts as long as the clock does
+    not step back and fewer than 10^9 tokens a second are issued."""
+    return MemoryBackend(
+        first_token=time.time_ns(),
+        max_waiters=config.max_waiters,
+        max_holds=config.max_holds,
+        max_sessions=config.max_sessions,
+    )
+
+
 MAX_CLUSTER_KEYS = 64
 
 
-def make_cluster_service(config: Config, engine: LockEngine, token: bytes | None) -> Service:
-    """A node of a cluster: locks live in etcd; ``engine`` stays idle."""
-    from elockd.cluster.commands import CLUSTER_COMMANDS
+def make_cluster_backend(config: Config) -> Backend:
+    """A node of a cluster: locks live in etcd (docs/cluster.md)."""
     from elockd.cluster.etcd_client import EtcdClient
     from elockd.cluster.space import ClusterLockSpace
 
@@ -563,16 +551,13 @@ def make_cluster_service(config: Config, engine: LockEngine, token: bytes | None
         )
     endpoints = [url.strip() for url in config.etcd.split(",") if url.strip()]
     client = EtcdClient(endpoints, deadline=config.etcd_timeout)
-    space = ClusterLockSpace(
+    return ClusterLockSpace(
         client,
         config.etcd_prefix.encode(),
         session_ttl=config.session_ttl,
         max_waiters=config.max_waiters,
         max_holds=config.max_holds,
     )
-    service = Service(config, engine, token, backend=space, commands=CLUSTER_COMMANDS)
-    service.background = space.run
-    return service
 
 
 async def serve(

@@ -8,10 +8,13 @@ These are plain records; the rules that change them live in :mod:`elockd.locks`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from elockd.locks import Waiter
+#: A waiter's states.
+WAITING = 0
+GRANTED = 1
+CANCELLED = 2
 
 
 class Hold:
@@ -84,3 +87,61 @@ class Session:
 
     def __repr__(self) -> str:
         return f"<Session {self.id[:8]} {self.owner!r}>"
+
+
+class Waiter:
+    """One request that could not be granted at once and chose to wait.
+
+    ``keys`` has one key for ``lock``/``lock_shared`` and several for ``mlock``.
+    ``taken`` lists the keys an ``mlock`` waiter already holds while it waits for the
+    rest; they are freed again if it gives up. ``count`` is the number of shared
+    holders right after a shared grant (the ``200 N`` reply).
+    """
+
+    __slots__ = (
+        "count",
+        "deadline",
+        "keys",
+        "limit",
+        "missing",
+        "serial",
+        "session",
+        "shared",
+        "since",
+        "state",
+        "taken",
+        "ttl",
+        "wake",
+    )
+
+    def __init__(
+        self,
+        session: Session,
+        keys: tuple[bytes, ...],
+        *,
+        shared: bool,
+        limit: int,
+        ttl: float | None,
+        since: float,
+    ) -> None:
+        self.session = session
+        self.keys = keys
+        self.shared = shared
+        self.limit = limit
+        self.ttl = ttl
+        self.since = since
+        self.serial = 0  # arrival order, set when it starts waiting
+        self.state = WAITING
+        self.taken: list[bytes] = []
+        self.missing = len(keys)
+        self.count = 0
+        self.deadline = math.inf  # when the wait gives up (the engine times it out)
+        self.wake: Callable[[], None] | None = None
+
+    @property
+    def granted(self) -> bool:
+        return self.state == GRANTED
+
+    @property
+    def waiting(self) -> bool:
+        return self.state == WAITING

@@ -13,56 +13,10 @@ exposes them to Prometheus.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sized
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from elockd.sessions import Session
-
-
-class Backend(Protocol):
-    """What the connection layer, the timer, `q` and /metrics need from a lock
-    backend: the in-memory :class:`~elockd.locks.LockEngine`, or the etcd-backed
-    :class:`~elockd.cluster.space.ClusterLockSpace`. Verbs that take or free locks
-    go through each backend's own command handlers."""
-
-    @property
-    def sessions(self) -> Sized: ...
-    @property
-    def exclusive(self) -> Sized: ...
-    @property
-    def shared(self) -> Sized: ...
-
-    on_new_deadline: Callable[[], None] | None
-    on_hold_end: Callable[[bool, float], None] | None
-    on_holds_end: Callable[[bool, list[float]], None] | None
-    on_wait_end: Callable[[bool, float], None] | None
-
-    @property
-    def shared_holders(self) -> int: ...
-    @property
-    def waiting(self) -> int: ...
-    @property
-    def leases(self) -> int: ...
-    @property
-    def expired(self) -> int: ...
-    @property
-    def timeouts(self) -> int: ...
-    @property
-    def orphans(self) -> int: ...
-    @property
-    def shared_orphans(self) -> int: ...
-    @property
-    def sessions_in_grace(self) -> int: ...
-
-    def open_session(self, session_id: str, peer: bytes) -> Session: ...
-    def disconnect(self, session: Session, now: float) -> None: ...
-    def next_deadline(self) -> float | None: ...
-    def advance(self, now: float, budget: int | None = None) -> bool:
-        """Run what is due by ``now`` (at most ``budget`` deadlines); True when more
-        is due, so the timer lets other tasks run before it goes on."""
-
-    def extra_counters(self) -> dict[str, int]: ...
+    from elockd.backend import Backend
 
 
 #: Verbs whose ``command_<verb>`` line `q` always prints, even at 0.

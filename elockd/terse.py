@@ -1,22 +1,24 @@
 """The terse family: elockd/glockd's one-letter verbs, byte-compatible.
 
 Each handler takes the connection, the rest of the line after the verb, and the
-time, and returns reply bytes. The key is the rest of the line with its outer blanks
-dropped and inner runs of blanks folded to one space, so ``g  a   b`` locks ``a b``.
+time; it asks the backend one question and formats the answer (now, or once it
+comes: :func:`elockd.protocol.answer`). The key is the rest of the line with its
+outer blanks dropped and inner runs of blanks folded to one space, so ``g  a   b``
+locks ``a b``. The texts come from the connection's reply style
+(:mod:`elockd.replies`: ``--replies elockd`` or ``glockd``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from elockd.protocol import Streamed
+from elockd.backend import Holders, Later
+from elockd.protocol import TERSE, Outcome, Reply, Streamed, answer
 from elockd.stats import render_q
 
 if TYPE_CHECKING:
-    from elockd.locks import LockEngine
-    from elockd.protocol import Connection, Handler
-    from elockd.sessions import Hold
+    from elockd.protocol import Connection
 
 END = b"END\r\n"
 #: A streamed reply goes out in pieces of about this many bytes: big enough that a
@@ -32,50 +34,75 @@ def terse_key(rest: bytes) -> bytes:
     return b" ".join(part for part in rest.replace(b"\t", b" ").split(b" ") if part)
 
 
-def cmd_g(conn: Connection, rest: bytes, now: float) -> bytes:
-    # terse_key's cheap test inlined in g and r, the two requests that carry the load.
+def cmd_g(conn: Connection, rest: bytes, now: float) -> Reply:
+    # g and r carry the load: terse_key's cheap test and answer() are inlined.
     key = terse_key(rest) if b" " in rest or b"\t" in rest else rest
-    if conn.engine.acquire(conn.session, key, now):
-        return conn.replies.got(key)
-    return conn.replies.cannot_get(key)
+    result = conn.backend.acquire(conn.session, key, now)
+    if isinstance(result, Later):
+        return Outcome(result, lambda granted: _got(conn, key, granted), TERSE, conn.peer)
+    return _got(conn, key, result)
 
 
-def cmd_r(conn: Connection, rest: bytes, now: float) -> bytes:
+def _got(conn: Connection, key: bytes, granted: bool) -> bytes:
+    return conn.replies.got(key) if granted else conn.replies.cannot_get(key)
+
+
+def cmd_r(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest) if b" " in rest or b"\t" in rest else rest
-    if conn.engine.release(conn.session, key, now):
-        return conn.replies.released(key)
-    return conn.replies.cannot_release(key)
+    result = conn.backend.release(conn.session, key, now)
+    if isinstance(result, Later):
+        return Outcome(result, lambda freed: _released(conn, key, freed), TERSE, conn.peer)
+    return _released(conn, key, result)
 
 
-def cmd_i(conn: Connection, rest: bytes, now: float) -> bytes:
+def _released(conn: Connection, key: bytes, released: bool) -> bytes:
+    return conn.replies.released(key) if released else conn.replies.cannot_release(key)
+
+
+def cmd_i(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
-    if key in conn.engine.exclusive:
-        return conn.replies.locked(key)
-    return conn.replies.not_locked(key)
+    replies = conn.replies
+
+    def reply(locked: bool) -> bytes:
+        return replies.locked(key) if locked else replies.not_locked(key)
+
+    return answer(conn.backend.is_locked(key), reply, TERSE, conn.peer)
 
 
-def cmd_sg(conn: Connection, rest: bytes, now: float) -> bytes:
+def cmd_sg(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
-    _, count = conn.engine.acquire_shared(conn.session, key, now)
-    return conn.replies.shared_got(count, key)
+    replies = conn.replies
+    return answer(
+        conn.backend.share(conn.session, key, now),
+        lambda count: replies.shared_got(count, key),
+        TERSE,
+        conn.peer,
+    )
 
 
-def cmd_sr(conn: Connection, rest: bytes, now: float) -> bytes:
+def cmd_sr(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
-    if conn.engine.release_shared(conn.session, key, now) is None:
-        return conn.replies.shared_cannot_release(key)
-    return conn.replies.shared_released(key)
+    replies = conn.replies
+
+    def reply(left: int | None) -> bytes:
+        if left is None:
+            return replies.shared_cannot_release(key)
+        return replies.shared_released(key)
+
+    return answer(conn.backend.release_shared(conn.session, key, now), reply, TERSE, conn.peer)
 
 
-def cmd_si(conn: Connection, rest: bytes, now: float) -> bytes:
+def cmd_si(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
-    count = conn.engine.shared_count(key)
-    if count:
-        return conn.replies.shared_locked(count, key)
-    return conn.replies.shared_not_locked(key)
+    replies = conn.replies
+
+    def reply(count: int) -> bytes:
+        return replies.shared_locked(count, key) if count else replies.shared_not_locked(key)
+
+    return answer(conn.backend.shared_count(key), reply, TERSE, conn.peer)
 
 
-def cmd_q(conn: Connection, rest: bytes, now: float) -> bytes:
+def cmd_q(conn: Connection, rest: bytes, now: float) -> Reply:
     return render_q(conn.service.snapshot())
 
 
@@ -94,55 +121,45 @@ def chunked(lines: Iterable[bytes]) -> Iterator[bytes]:
     yield b"".join(chunk)
 
 
-def stream_holds(keys: list[bytes], holds_of: Callable[[bytes], Iterable[Hold]]) -> Streamed:
-    """``d``/``sd``: a ``K: OWNER`` line per hold, then END, produced as it is sent.
-
-    Weakly consistent, as Redis's SCAN: ``keys`` is a snapshot of the table's keys
-    (8 bytes each, not the reply), and each key's holders are read when its turn
-    comes. A hold present for the whole dump is listed exactly once (its key is in
-    the snapshot once); one taken or freed meanwhile may or may not be.
-    """
-    lines = (b"%s: %s\r\n" % (hold.key, hold.session.owner) for k in keys for hold in holds_of(k))
-    return Streamed(chunked(lines))
+def stream_holders(holders: Holders) -> Streamed:
+    """``d``/``sd``: a ``K: OWNER`` line per hold, then END, produced as it is sent
+    (the backend's :meth:`~elockd.backend.Backend.holders` is weakly consistent, as
+    Redis's SCAN: a hold present for the whole dump is listed exactly once)."""
+    return Streamed(chunked(b"%s: %s\r\n" % pair for pair in holders))
 
 
-def _dump_exclusive(engine: LockEngine, key: bytes | None) -> Streamed:
-    return stream_holds(list(engine.exclusive) if key is None else [key], engine.exclusive_holds)
+def _dump(conn: Connection, shared: bool, key: bytes | None) -> Reply:
+    return answer(conn.backend.holders(shared, key), stream_holders, TERSE, conn.peer)
 
 
-def _dump_shared(engine: LockEngine, key: bytes | None) -> Streamed:
-    return stream_holds(list(engine.shared) if key is None else [key], engine.shared_holds)
+def cmd_d(conn: Connection, rest: bytes, now: float) -> Reply:
+    return _dump(conn, False, terse_key(rest) or None)
 
 
-def cmd_d(conn: Connection, rest: bytes, now: float) -> Streamed:
-    return _dump_exclusive(conn.engine, terse_key(rest) or None)
+def cmd_sd(conn: Connection, rest: bytes, now: float) -> Reply:
+    return _dump(conn, True, terse_key(rest) or None)
 
 
-def cmd_sd(conn: Connection, rest: bytes, now: float) -> Streamed:
-    return _dump_shared(conn.engine, terse_key(rest) or None)
-
-
-def cmd_dump(conn: Connection, rest: bytes, now: float) -> Streamed:
+def cmd_dump(conn: Connection, rest: bytes, now: float) -> Reply:
     """``dump`` is ``d`` of every key; ``dump shared`` is ``sd`` of every key. Any other
-    argument is ignored (documented in docs/protocol.md)."""
-    if terse_key(rest) == b"shared":
-        return _dump_shared(conn.engine, None)
-    return _dump_exclusive(conn.engine, None)
+    argument is ignored (docs/protocol.md)."""
+    return _dump(conn, terse_key(rest) == b"shared", None)
 
 
-def cmd_iam(conn: Connection, rest: bytes, now: float) -> bytes:
+def cmd_iam(conn: Connection, rest: bytes, now: float) -> Reply:
     """Name this connection's session; an empty name clears it (owner is IP:PORT).
     Naming again moves the connection to the end of `who`'s naming order."""
     name = terse_key(rest)
-    conn.session.name = name if name else None
     named = conn.service.named
     named.pop(conn, None)
     if name:
         named[conn] = None
-    return b"1 ok\r\n"
+    return answer(
+        conn.backend.rename(conn.session, name or None), lambda _: b"1 ok\r\n", TERSE, conn.peer
+    )
 
 
-def cmd_who(conn: Connection, rest: bytes, now: float) -> Streamed:
+def cmd_who(conn: Connection, rest: bytes, now: float) -> Reply:
     """Named connections in the order their names were set, streamed like a dump
     (from a snapshot of the connections, each read when its turn comes)."""
     wanted = terse_key(rest)
@@ -157,22 +174,5 @@ def cmd_who(conn: Connection, rest: bytes, now: float) -> Streamed:
     return Streamed(chunked(lines))
 
 
-def cmd_me(conn: Connection, rest: bytes, now: float) -> bytes:
+def cmd_me(conn: Connection, rest: bytes, now: float) -> Reply:
     return b"1 %s %s\r\n" % (conn.peer, conn.session.owner)
-
-
-TERSE_COMMANDS: dict[bytes, Handler] = {
-    b"g": cmd_g,
-    b"r": cmd_r,
-    b"i": cmd_i,
-    b"sg": cmd_sg,
-    b"sr": cmd_sr,
-    b"si": cmd_si,
-    b"q": cmd_q,
-    b"d": cmd_d,
-    b"sd": cmd_sd,
-    b"dump": cmd_dump,
-    b"iam": cmd_iam,
-    b"who": cmd_who,
-    b"me": cmd_me,
-}

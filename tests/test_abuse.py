@@ -28,10 +28,10 @@ import trio.testing
 
 from elockd.config import Config
 from elockd.framing import LineReader
-from elockd.locks import LockEngine
-from elockd.protocol import Connection, Service, Streamed
+from elockd.protocol import Connection, Streamed
 from elockd.server import REPLY_FLUSH_BYTES, make_service, serve_stream
 from tests.conftest import LineClient, RunningServer
+from tests.sansio import memory_service
 
 SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
 
@@ -71,7 +71,7 @@ async def test_random_bytes_get_one_reply_per_line(server: RunningServer) -> Non
     rng = random.Random(6)
     too_long = rng.randbytes(10_000).replace(b"\n", b"x")
     garbage = rng.randbytes(1 << 20) + too_long + rng.randbytes(4096) + b"\nping\n"
-    replay = Connection(Service(Config(), LockEngine()), b"replay")
+    replay = Connection(memory_service(), b"replay")
     replies = [
         reply.whole() if isinstance(reply, Streamed) else reply
         for reply in (
@@ -197,7 +197,7 @@ async def test_a_clock_jump_ends_exactly_what_became_due(
     assert await observer.request(b"i leased") == b"0 Not Locked"
     assert await observer.request(b"info plain") == (
         b"200 key=plain exclusive=127.0.0.1:%d shared=0 waiting=1 ttl=- token=%d"
-        % (holder.stream.socket.getsockname()[1], server.service.engine.exclusive[b"plain"].token)
+        % (holder.stream.socket.getsockname()[1], server.service.backend.exclusive[b"plain"].token)
     )
     mock_clock.jump(20)  # past the wait
     assert await waiter.line() == b"409 Unavailable\r\n"

@@ -14,12 +14,12 @@ import trustme
 
 from elockd import logs
 from elockd.config import Config
-from elockd.locks import LockEngine
 from elockd.logthrottle import LogThrottle
-from elockd.protocol import Connection, Service
+from elockd.protocol import Connection
 from elockd.server import make_service, serve
 from elockd.startup import StartupError
 from tests.conftest import LineClient, RunningServer
+from tests.sansio import memory_service
 
 
 @pytest.mark.parametrize("server_config", [Config(max_holds=2)])
@@ -86,7 +86,7 @@ async def test_auth_required_before_anything_else(nursery: trio.Nursery, tmp_pat
     assert await client.request(b"g k") == b"0 Auth Required"
     assert await client.request(b"lock k") == b"403 Auth Required"
     assert await client.request(b"nope") == b"0 Invalid Command: nope"
-    assert not service.engine.exclusive
+    assert not service.backend.exclusive
     assert await client.request(b"auth s3cret-token") == b"200 OK"
     assert await client.request(b"g k") == b"1 Got Lock"
     intruder = LineClient(await trio.open_tcp_stream("127.0.0.1", port))
@@ -130,7 +130,7 @@ async def test_a_wrong_token_is_logged_and_answered_late_without_slowing_others(
 
 def test_auth_without_a_token_file_accepts_any_token() -> None:
     """docs/protocol.md (readings chosen): nothing to check, nothing refused."""
-    conn = Connection(Service(Config(), LockEngine()), b"10.0.0.1:1111")
+    conn = Connection(memory_service(), b"10.0.0.1:1111")
     assert conn.handle(b"auth anything", 0.0) == b"200 OK\r\n"
     assert not conn.closing
     assert conn.handle(b"g k", 0.0) == b"1 Got Lock\r\n"

@@ -200,7 +200,7 @@ async def test_refused_renewal_reports_lock_lost(
         with pytest.raises(LockLost, match="renewal refused"):
             async with client.lock("lease", ttl=3, on_lost=lost.append) as hold:
                 # Free it behind the client's back, as an expiry would.
-                engine = server.service.engine
+                engine = server.service.backend
                 engine.release(engine.exclusive[b"lease"].session, b"lease", trio.current_time())
                 await trio.sleep(2)  # the renewal at 1 s gets 403 Not Locked
                 assert hold.lost and lost == [hold]

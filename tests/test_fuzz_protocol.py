@@ -2,7 +2,7 @@
 
 The server's per-connection loop is thin: bytes go through
 :class:`elockd.framing.LineReader`, each line through
-:meth:`elockd.protocol.Connection.handle`, and a :class:`~elockd.protocol.Pending`
+:meth:`elockd.protocol.Connection.handle`, and an :class:`~elockd.protocol.Outcome`
 is awaited until granted or timed out. This test plays that loop without sockets,
 for several connections at once, with arbitrary bytes and with plausible requests
 of both families (valid, malformed, over-long), random chunking, time passing and
@@ -18,15 +18,16 @@ disconnects. Whatever comes in:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from elockd.config import Config
 from elockd.framing import LineReader
-from elockd.locks import WAITING, LockEngine
-from elockd.protocol import LINE_TOO_LONG, Connection, Pending, Service, Streamed
+from elockd.protocol import LINE_TOO_LONG, Connection, Outcome
+from elockd.sessions import WAITING
+from tests.sansio import memory_service, waiting, whole
 
 MULTI_LINE_VERBS = {b"q", b"d", b"sd", b"dump", b"who", b"stats"}
 VERBS = [
@@ -139,11 +140,10 @@ class Client:
     conn: Connection
     reader: LineReader
     queue: deque[bytes | None] = field(default_factory=deque)
-    pending: Pending | None = None
+    pending: Outcome | None = None
     pending_line: bytes | None = None
     held_before: tuple[set[bytes], set[bytes]] = field(default_factory=lambda: (set(), set()))
     expired_before: int = 0
-    pending_until: float = 0.0
     lines: int = 0
     replies: int = 0
     last_reply: bytes = b""
@@ -154,7 +154,7 @@ class Harness:
     """Plays the server's connection loop (elockd/server.py) without sockets."""
 
     def __init__(self, config: Config, clients: int) -> None:
-        self.service = Service(config, LockEngine(max_waiters=config.max_waiters, max_holds=3))
+        self.service = memory_service(replace(config, max_holds=3))
         self.now = 0.0
         self.clients = [
             Client(Connection(self.service, b"10.0.0.%d:1" % n), LineReader(config.max_line))
@@ -176,17 +176,13 @@ class Harness:
             line = client.queue.popleft()
             session = client.conn.session
             client.held_before = set(session.exclusive), set(session.shared)
-            client.expired_before = self.service.engine.expired
+            client.expired_before = self.service.backend.expired
             reply = client.conn.handle(line, self.now)
-            if isinstance(reply, Streamed):
-                reply = reply.whole()
-            if isinstance(reply, Pending):
-                if reply.waiter.waiting:
-                    client.pending, client.pending_line = reply, line
-                    client.pending_until = self.now + reply.timeout
-                    continue
-                reply = reply.finish(self.now)
-            self.check_reply(client, line, reply)
+            if waiting(reply):
+                assert isinstance(reply, Outcome)
+                client.pending, client.pending_line = reply, line
+                continue
+            self.check_reply(client, line, whole(reply))
             if client.conn.closing:  # quit, failed auth: the server hangs up
                 self.close(client)
 
@@ -200,16 +196,16 @@ class Harness:
                 pending = client.pending
                 if pending is None or client.closed:
                     continue
-                if not pending.waiter.waiting or self.now >= client.pending_until:
+                if not waiting(pending):  # the engine granted it or timed it out
                     client.pending = None
-                    reply = pending.finish(self.now)
+                    reply = whole(pending)
                     self.check_reply(client, client.pending_line, reply, waited=True)
                     self.drain(client)
                     changed = True
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-        self.service.engine.advance(self.now)
+        self.service.backend.advance(self.now)
         self.settle()
 
     def close(self, client: Client) -> None:
@@ -256,7 +252,7 @@ class Harness:
         session = client.conn.session
         exclusive, shared = set(session.exclusive), set(session.shared)
         code = reply.split(b" ", 1)[0]
-        expired = self.service.engine.expired > client.expired_before
+        expired = self.service.backend.expired > client.expired_before
         if verb in (b"lock", b"mlock") and code in (b"200", b"409"):
             if code == b"200":
                 assert set(keys) <= exclusive or expired, (line, reply)
@@ -267,7 +263,7 @@ class Harness:
             if code == b"200":
                 count = int(reply[4:])
                 assert count >= 1
-                assert waited or count == self.service.engine.shared_count(keys[0])
+                assert waited or count == self.service.backend.shared_count(keys[0])
                 options = [t for t in tokens[1:] if b"=" in t]
                 limit = next((t[6:] for t in options if t.startswith(b"limit=")), b"")
                 repeat = keys[0] in client.held_before[1]  # a holder asking again
@@ -275,7 +271,7 @@ class Harness:
                     assert count <= int(limit), (line, reply)
 
     def check_engine(self) -> None:
-        engine = self.service.engine
+        engine = self.service.backend
         leases = 0
         for key, hold in engine.exclusive.items():
             assert hold.key == key and not hold.shared

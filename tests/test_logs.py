@@ -158,7 +158,7 @@ async def test_debug_logs_connections_requests_and_waits(
     assert ("wait ended", "lock", "200 Acquired") in seen
     assert ("connection closed", None, None) in seen
     (wait,) = [r for r in caplog.records if r.getMessage() == "waiting"]
-    assert fields(wait, "arguments", "timeout") == {"arguments": "job 30", "timeout": 30.0}
+    assert fields(wait, "peer", "arguments")["arguments"] == "job 30"
 
 
 async def test_request_tracing_is_wired_only_at_debug(caplog: pytest.LogCaptureFixture) -> None:

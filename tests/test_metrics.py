@@ -156,7 +156,7 @@ class NoIteration(dict[Any, Any]):
 
 def test_scrape_does_no_per_lock_work() -> None:
     service = make_service(Config(port=0, metrics_port=0))
-    engine = service.engine
+    engine = service.backend
     for i in range(50):
         session = engine.open_session(f"s{i}", b"p")
         for k in range(1000):
@@ -393,7 +393,7 @@ def test_alerts_and_dashboard_query_only_metrics_elockd_exports(busy_scrape: str
 
 def test_hold_and_wait_hooks_are_wired_only_for_a_metrics_registry() -> None:
     service = make_service(Config(port=0, metrics_port=0))
-    assert service.engine.on_hold_end is None and service.engine.on_wait_end is None
+    assert service.backend.on_hold_end is None and service.backend.on_wait_end is None
     make_registry(service)
-    assert service.engine.on_hold_end == service.timings.hold_ended
-    assert service.engine.on_wait_end == service.timings.wait_ended
+    assert service.backend.on_hold_end == service.timings.hold_ended
+    assert service.backend.on_wait_end == service.timings.wait_ended

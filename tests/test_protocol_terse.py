@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from elockd.config import Config
-from elockd.locks import LockEngine
 from elockd.protocol import Connection, Reply, Service, Streamed
+from tests.sansio import memory_service
 
 ELOCKD, GLOCKD = "elockd", "glockd"
 
 
 def make_service(style: str = ELOCKD, **settings: int) -> Service:
-    return Service(Config(replies=style, **settings), LockEngine())  # type: ignore[arg-type]
+    return memory_service(replies=style, **settings)
 
 
 def whole(reply: Reply) -> bytes:

@@ -6,15 +6,12 @@ import re
 
 import pytest
 
-from elockd.config import Config
-from elockd.locks import LockEngine
-from elockd.protocol import Connection, Pending, Service
+from elockd.protocol import Connection, Service
+from tests.sansio import memory_service, waiting, whole
 
 
 def make_service(**settings: object) -> Service:
-    config = Config(**settings)  # type: ignore[arg-type]
-    engine = LockEngine(first_token=100, max_waiters=config.max_waiters, max_holds=config.max_holds)
-    return Service(config, engine)
+    return memory_service(**settings)
 
 
 def pair(**settings: object) -> tuple[Connection, Connection]:
@@ -40,17 +37,18 @@ def test_lock_with_wait_returns_a_pending_request() -> None:
     a, b = pair()
     a.handle(b"lock k", 0.0)
     pending = b.handle(b"lock k 2.5", 0.0)
-    assert isinstance(pending, Pending) and pending.timeout == 2.5
+    assert waiting(pending)
     a.handle(b"unlock k", 1.0)
-    assert pending.finish(1.0) == b"200 Acquired\r\n"
+    assert whole(pending) == b"200 Acquired\r\n"
 
 
 def test_a_wait_that_ends_ungranted_is_a_timeout_and_can_never_be_granted() -> None:
     a, b = pair()
     a.handle(b"lock k", 0.0)
     pending = b.handle(b"lock k 1", 0.0)
-    assert isinstance(pending, Pending)
-    assert pending.finish(1.0) == b"409 Unavailable\r\n"
+    assert waiting(pending)
+    a.service.backend.advance(1.0)  # the engine times the wait out
+    assert whole(pending) == b"409 Unavailable\r\n"
     a.handle(b"unlock k", 2.0)
     assert b.handle(b"info k", 2.0).startswith(b"200 key=k exclusive=- ")
     assert a.service.snapshot()["timeouts"] == 1
@@ -132,9 +130,9 @@ def test_unlock_shared_reports_holders_after_a_hand_over() -> None:
     a, b = pair()
     a.handle(b"lock_shared s limit=1", 0.0)
     pending = b.handle(b"lock_shared s 10 limit=1", 0.0)
-    assert isinstance(pending, Pending)
+    assert waiting(pending)
     assert a.handle(b"unlock_shared s", 1.0) == b"200 1\r\n"  # b got it in the same step
-    assert pending.finish(1.0) == b"200 1\r\n"
+    assert whole(pending) == b"200 1\r\n"
 
 
 def test_mlock_all_or_nothing_names_keys_held_by_others() -> None:
@@ -258,7 +256,7 @@ def test_waiter_limit_gets_413_and_changes_nothing() -> None:
     a, b = pair(max_waiters=1)
     c = Connection(a.service, b"10.0.0.3:3")
     a.handle(b"lock k", 0.0)
-    assert isinstance(b.handle(b"lock k 5", 0.0), Pending)
+    assert waiting(b.handle(b"lock k 5", 0.0))
     assert c.handle(b"lock k 5", 0.0) == b"413 Too Many Waiters\r\n"
     assert a.service.snapshot()["waiting"] == 1
 
@@ -271,4 +269,4 @@ def test_max_ttl_is_a_flag_and_its_bound_itself_is_allowed() -> None:
     )
     assert a.handle(b"set_timeout 10000", 0.0) == b"200 timeout set\r\n"
     assert a.handle(b"set_timeout 10001", 0.0).startswith(b"400 Bad Request: MS above")
-    assert isinstance(b.handle(b"lock k 10", 0.0), Pending)
+    assert waiting(b.handle(b"lock k 10", 0.0))
