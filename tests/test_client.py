@@ -220,10 +220,13 @@ async def test_lock_lost_when_the_connection_is_killed(spawn_server: SpawnServer
     async with Client(port=port) as client:
         with pytest.raises(LockLost, match="connection lost"):
             async with client.lock("k", on_lost=lambda hold: lost.set()) as hold:
+                killed_at = trio.current_time()
                 process.kill()
                 with trio.fail_after(5):
                     await lost.wait()
                 assert hold.lost and not hold.held
+                assert hold.lost_at is not None
+                assert killed_at <= hold.lost_at <= trio.current_time()
 
 
 async def test_auto_renew_keeps_a_half_second_lease_alive_for_three_seconds(

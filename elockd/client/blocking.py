@@ -245,7 +245,8 @@ class BlockingClient(ClientBase):
                 # second only guards against that thread having died.
                 if not event.wait(max(0.0, request.deadline - self._now()) + 1.0):
                     with self._lock:
-                        self.core.fail(ConnectionLost("the client's I/O thread stopped"), 0.0)
+                        stopped = ConnectionLost("the client's I/O thread stopped")
+                        self.core.fail(stopped, self._now())
         except BaseException:
             with self._lock:
                 op.abandon(self._now())

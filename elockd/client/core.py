@@ -189,6 +189,8 @@ class Hold:
         self.on_lost = on_lost
         self.lost = False
         self.lost_reason: str | None = None
+        # On the shell's clock (trio.current_time() or time.monotonic()): when the
+        # loss was found, or when the renewal or release that found it was sent.
         self.lost_at: float | None = None
         self.released = False
         self.renewals = 0
