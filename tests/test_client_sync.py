@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import ssl
@@ -21,6 +22,7 @@ from elockd.client import (
     BlockingRateLimiter,
     Client,
     ConnectFailed,
+    ConnectionLost,
     Hold,
     KeyBusy,
     LockLost,
@@ -80,8 +82,8 @@ def test_wait_shared_mlock_stats_ping_session(port: int) -> None:
             with pytest.raises(Unavailable) as conflict:
                 b.acquire_many(["sync-m0", "sync-m2"])
             assert conflict.value.keys == (b"sync-m2",)
-        assert a.ping() >= 0
-        assert int(a.session_id(), 16) >= 0
+        assert 0 < a.ping() < 5  # a loopback round trip
+        assert re.fullmatch("[0-9a-f]{32}", a.session_id())  # 128 random bits, in hex
         assert a.stats()["clients"] >= 2
         assert a.command("i sync-m1") == [b"0 Not Locked"]
 
@@ -131,9 +133,29 @@ def test_lock_lost_when_the_connection_is_killed(
         pytest.raises(LockLost, match="connection lost"),
         client.lock("k", on_lost=lambda hold: lost.set()) as hold,
     ):
+        killed_at = time.monotonic()
         process.kill()
         assert lost.wait(5)
         assert hold.lost
+        assert hold.lost_at is not None and killed_at <= hold.lost_at <= time.monotonic()
+
+
+def test_a_dead_io_thread_loses_the_holds_at_a_real_time(port: int) -> None:
+    """If the I/O thread is gone, a call gives up a second after its reply was due
+    and every hold is lost then, on time.monotonic() (it used to say 0.0)."""
+    with BlockingClient(port=port, reply_timeout=0.2) as client:
+        hold = client.acquire("sync-dead-thread")
+        with client._lock:
+            client._stop = True  # what close() tells the thread
+        client._wake()
+        assert client._thread is not None
+        client._thread.join(5)
+        assert not client._thread.is_alive()
+        before = time.monotonic()
+        with pytest.raises(ConnectionLost, match="I/O thread stopped"):
+            client.ping()
+        assert hold.lost and hold.lost_at is not None
+        assert before + 1.0 <= hold.lost_at <= time.monotonic()
 
 
 def test_interrupted_acquire_never_leaves_a_hold(port: int) -> None:

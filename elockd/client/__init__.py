@@ -1,11 +1,23 @@
 """Clients for elockd: :class:`Client` (trio) and :class:`BlockingClient` (threads).
 
-Both speak the word family, share one sans-IO core (:mod:`elockd.client.core`) and
-offer the same API: ``lock``/``shared``/``mlock`` context managers yielding a
-:class:`Hold` (fencing ``token``, ``lost`` flag, ``on_lost`` callback), leases that
-renew themselves, ``info``/``stats``/``ping``/``session_id``/``resume``, and a
-:class:`RateLimiter` / :class:`BlockingRateLimiter` on shared locks. See
-docs/client.md.
+Both speak the word family and offer the same API: ``lock``/``shared``/``mlock``
+context managers yielding a :class:`Hold` (fencing ``token``, ``lost`` flag,
+``on_lost`` callback), leases that renew themselves,
+``info``/``stats``/``ping``/``session_id``/``resume``, and a :class:`RateLimiter` /
+:class:`BlockingRateLimiter` on shared locks. See docs/client.md.
+
+The layers, from the wire up, each written once for both clients:
+
+* :mod:`~elockd.client.receivebuffer`: received bytes, searched in linear time;
+* :mod:`~elockd.client.replies`: those bytes cut into replies, read strictly;
+* :mod:`~elockd.client.core`: requests, deadlines, holds and leases (sans-IO);
+* :mod:`~elockd.client.calls`: each public call as an operation on the core;
+* :mod:`~elockd.client.base` and :mod:`~elockd.client.methods`: those calls as the
+  methods of both clients, and their shared settings.
+
+Only the I/O is written twice: :mod:`~elockd.client.trio_client` awaits an
+operation's replies on trio streams, :mod:`~elockd.client.blocking` waits for them
+while a thread of its own owns the socket.
 """
 
 from elockd.client.blocking import BlockingClient, BlockingRateLimiter

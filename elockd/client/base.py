@@ -1,6 +1,8 @@
 """What the trio and the blocking client share besides the sans-IO core: where and
-how to connect, and how a lost hold is reported. Only the I/O differs between them,
-so everything else is written once, here or in :mod:`elockd.client.core`."""
+how to connect, their whole public API, how a lost hold is reported, and the rate
+limiter's settings. Only the I/O differs between them, so everything else is written
+once: here, in :mod:`elockd.client.calls` (what each call sends and reads) and in
+:mod:`elockd.client.core` (requests, replies, holds and leases)."""
 
 from __future__ import annotations
 
@@ -9,22 +11,28 @@ import os
 import socket
 import ssl
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from elockd.client import calls
 from elockd.client.core import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_REPLY_TIMEOUT,
     ClientCore,
     Hold,
+    KeyLike,
+    Operation,
     Settable,
-    quoted,
+    encode_key,
 )
+from elockd.client.methods import Block, Call
+from elockd.client.replies import quoted
 
 log = logging.getLogger("elockd.client")
 
 
 class ClientBase:
-    """Connection settings and the core; subclasses add their I/O in :meth:`_init_io`.
+    """Connection settings, the core and the public calls; subclasses add their I/O
+    (:meth:`_init_io`) and say how they run an operation (:meth:`_method`).
 
     ``ssl_context`` turns on TLS (add a client certificate to it for mutual TLS);
     ``auth_token`` is sent first when the server demands ``auth``. Every reply must
@@ -34,6 +42,41 @@ class ClientBase:
 
     #: The event type the core hands to waiting operations (trio's or threading's).
     make_event: ClassVar[Callable[[], Settable]]
+    #: Whether calls are awaited (trio) or block the calling thread.
+    is_async: ClassVar[bool]
+
+    # The public API, from elockd.client.calls: awaited on the trio client.
+    acquire = Call(calls.acquire)
+    acquire_shared = Call(calls.acquire_shared)
+    acquire_many = Call(calls.acquire_many)
+    release = Call(calls.release)
+    _leave = Call(calls.leave)
+    lock = Block(
+        acquire,
+        _leave,
+        """``with client.lock(key) as hold:`` (``async with`` on the trio client): an
+        exclusive lock for the block. With ``ttl`` the hold is a lease, renewed in the
+        background.""",
+    )
+    shared = Block(
+        acquire_shared,
+        _leave,
+        """``with client.shared(key, limit=5) as hold:``: one of at most ``limit``
+        holders of ``key`` for the block.""",
+    )
+    mlock = Block(
+        acquire_many,
+        _leave,
+        """``with client.mlock(["a", "b"]) as hold:``: all keys, never a deadlock;
+        ``hold.tokens`` has each key's fencing token.""",
+    )
+    info = Call(calls.info)
+    stats = Call(calls.stats)
+    ping = Call(calls.ping)
+    session_id = Call(calls.session_id)
+    resume = Call(calls.resume)
+    set_grace = Call(calls.set_grace)
+    command = Call(calls.command)
 
     def __init__(
         self,
@@ -57,6 +100,13 @@ class ClientBase:
 
     def _init_io(self) -> None:
         """The subclass's own connection state (sockets, tasks, locks)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _method(build: Callable[..., Operation[Any]]) -> Callable[..., Any]:
+        """A method ``(self, *args, **kwargs)`` that builds ``build``'s operation with
+        this client's core and clock and returns its result: a coroutine's on the
+        trio client, at once on the blocking one (see :mod:`elockd.client.methods`)."""
         raise NotImplementedError
 
     def _where(self) -> str:
@@ -94,3 +144,30 @@ def describe(error: BaseException) -> str:
     if cause is not None:
         return describe(cause)
     return str(error) or type(error).__name__
+
+
+class RateLimiterBase:
+    """The settings of a rate limiter (:class:`elockd.client.RateLimiter`,
+    :class:`elockd.client.BlockingRateLimiter`): at most ``limit`` concurrent
+    holders of ``key``, each slot waiting up to ``wait`` seconds, a lease of ``ttl``
+    when given; ``client_options`` are those of the clients it opens."""
+
+    def __init__(
+        self,
+        key: KeyLike,
+        limit: int,
+        *,
+        wait: float | None = 60.0,
+        ttl: float | None = None,
+        **client_options: Any,
+    ) -> None:
+        encode_key(key)
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        self.key, self.limit, self.wait, self.ttl = key, limit, wait, ttl
+        self.client_options = client_options
+        self._init_pool()
+
+    def _init_pool(self) -> None:
+        """The subclass's pool of connections, one per slot in use."""
+        raise NotImplementedError

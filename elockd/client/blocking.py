@@ -1,7 +1,10 @@
 """The blocking client: :class:`BlockingClient` and :class:`BlockingRateLimiter`.
 
-The same API as the trio client, on plain sockets. One background thread owns the
-socket: it writes queued requests, reads replies into the sans-IO
+The same API as the trio client, on plain sockets: both take their public calls
+from :class:`~elockd.client.base.ClientBase` (written once, in
+:mod:`elockd.client.calls`), and this shell only says how to run one
+(:meth:`BlockingClient._method`: queue it, then wait). One background thread owns
+the socket: it writes queued requests, reads replies into the sans-IO
 :class:`ClientCore`, renews leases and enforces reply deadlines. Calling threads
 queue requests under a lock and wait on a ``threading.Event``, so several threads
 can share one client and their requests are pipelined. Owning the socket in one
@@ -16,18 +19,13 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from elockd.client import core
-from elockd.client.base import ClientBase, describe
-from elockd.client.core import (
-    Hold,
-    KeyLike,
-    LockInfo,
-    Operation,
-)
+from elockd.client.base import ClientBase, RateLimiterBase, describe
+from elockd.client.core import Hold, Operation
 from elockd.client.errors import ConnectFailed, ConnectionLost, ElockError
 
 T = TypeVar("T")
@@ -49,6 +47,7 @@ class BlockingClient(ClientBase):
     """
 
     make_event = threading.Event
+    is_async: ClassVar[Literal[False]] = False
 
     def _init_io(self) -> None:
         self._lock = threading.RLock()
@@ -246,7 +245,8 @@ class BlockingClient(ClientBase):
                 # second only guards against that thread having died.
                 if not event.wait(max(0.0, request.deadline - self._now()) + 1.0):
                     with self._lock:
-                        self.core.fail(ConnectionLost("the client's I/O thread stopped"), 0.0)
+                        stopped = ConnectionLost("the client's I/O thread stopped")
+                        self.core.fail(stopped, self._now())
         except BaseException:
             with self._lock:
                 op.abandon(self._now())
@@ -259,133 +259,21 @@ class BlockingClient(ClientBase):
             self._wake()  # a new hold means a new renewal timer
             self._fire_lost()
 
-    # ------------------------------------------------------------ the API
+    @staticmethod
+    def _method(build: Callable[..., Operation[Any]]) -> Callable[..., Any]:
+        def method(self: BlockingClient, *args: Any, **kwargs: Any) -> Any:
+            return self._run(lambda now: build(self.core, now, *args, **kwargs))
 
-    def acquire(
-        self,
-        key: KeyLike,
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Hold:
-        """Take an exclusive lock; :class:`Unavailable` if not granted. Prefer :meth:`lock`."""
-        return self._run(lambda now: self.core.lock(key, now, wait, ttl, on_lost))
-
-    def acquire_shared(
-        self,
-        key: KeyLike,
-        limit: int | None = None,
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Hold:
-        """Take a shared hold (at most ``limit`` holders). Prefer :meth:`shared`."""
-        return self._run(lambda now: self.core.shared(key, now, limit, wait, ttl, on_lost))
-
-    def acquire_many(
-        self,
-        keys: Sequence[KeyLike],
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Hold:
-        """Take every key or none (``mlock``). Prefer :meth:`mlock`."""
-        return self._run(lambda now: self.core.mlock(keys, now, wait, ttl, on_lost))
-
-    def release(self, hold: Hold) -> None:
-        """Free a hold; :class:`LockLost` if it had been lost."""
-        self._run(lambda now: self.core.release(hold, now))
-
-    @contextlib.contextmanager
-    def lock(
-        self,
-        key: KeyLike,
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Iterator[Hold]:
-        """``with client.lock(key) as hold:`` — an exclusive lock for the block."""
-        hold = self.acquire(key, wait, ttl, on_lost)
-        with self._holding(hold):
-            yield hold
-
-    @contextlib.contextmanager
-    def shared(
-        self,
-        key: KeyLike,
-        limit: int | None = None,
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Iterator[Hold]:
-        """``with client.shared(key, limit=5) as hold:`` — one of at most ``limit``."""
-        hold = self.acquire_shared(key, limit, wait, ttl, on_lost)
-        with self._holding(hold):
-            yield hold
-
-    @contextlib.contextmanager
-    def mlock(
-        self,
-        keys: Sequence[KeyLike],
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Iterator[Hold]:
-        """``with client.mlock(["a", "b"]) as hold:`` — all keys or none."""
-        hold = self.acquire_many(keys, wait, ttl, on_lost)
-        with self._holding(hold):
-            yield hold
-
-    @contextlib.contextmanager
-    def _holding(self, hold: Hold) -> Iterator[None]:
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(ElockError):
-                self.release(hold)
-            raise
-        self.release(hold)
-
-    def info(self, key: KeyLike) -> LockInfo:
-        line = b"info " + core.encode_key(key)
-        return self._run(lambda now: self.core.simple(line, now, core.parse_info))
-
-    def stats(self) -> dict[str, int]:
-        return self._run(lambda now: self.core.simple(b"stats", now, core.parse_stats))
-
-    def ping(self) -> float:
-        """Round trip time in seconds."""
-        start = self._now()
-        self._run(lambda now: self.core.simple(b"ping", now, core.parse_ok(b"200 PONG")))
-        return self._now() - start
-
-    def session_id(self) -> str:
-        reply = self._run(lambda now: self.core.simple(b"conn_id", now, core.parse_word))
-        return reply.decode()
-
-    def resume(self, session_id: str) -> bool:
-        """Take over a disconnected session (see the trio client's ``resume``)."""
-        line = b"conn_id " + core.encode_key(session_id)
-        return self._run(lambda now: self.core.simple(line, now, core.parse_resume))
-
-    def set_grace(self, seconds: float) -> None:
-        line = b"set_timeout " + core.number(seconds * 1000, "grace")
-        self._run(lambda now: self.core.simple(line, now, core.parse_ok(b"200 timeout set")))
-
-    def command(self, line: str | bytes, *, check: bool = False) -> list[bytes]:
-        """Send any one request line; its reply lines (``END`` dropped). With
-        ``check`` a reply that is neither a yes nor a no raises (see the trio client)."""
-        raw = core.raw_line(line)
-        parse = core.parse_checked if check else core.parse_lines
-        return self._run(lambda now: self.core.simple(raw, now, parse))
+        return method
 
     @property
     def holds(self) -> list[Hold]:
+        """Holds this client tracks now."""
         with self._lock:
             return list(dict.fromkeys(self.core.holds.values()))
 
 
-class BlockingRateLimiter:
+class BlockingRateLimiter(RateLimiterBase):
     """:class:`elockd.client.RateLimiter` for threads: at most ``limit`` concurrent
     holders of ``key`` everywhere; each slot uses a pooled connection of its own.
 
@@ -396,20 +284,7 @@ class BlockingRateLimiter:
             call_partner_api()
     """
 
-    def __init__(
-        self,
-        key: KeyLike,
-        limit: int,
-        *,
-        wait: float | None = 60.0,
-        ttl: float | None = None,
-        **client_options: Any,
-    ) -> None:
-        core.encode_key(key)
-        if limit < 1:
-            raise ValueError("limit must be at least 1")
-        self.key, self.limit, self.wait, self.ttl = key, limit, wait, ttl
-        self.client_options = client_options
+    def _init_pool(self) -> None:
         self._idle: list[BlockingClient] = []
         self._pool_lock = threading.Lock()
 

@@ -6,7 +6,9 @@ thin I/O shells around one :class:`ClientCore`, so the rules live here once:
 * **Pipelining.** :meth:`ClientCore.submit` appends the request to a FIFO and its
   bytes to the output buffer in one synchronous step; replies are matched to the
   FIFO's head as they arrive. Because submission never awaits, a request is either
-  fully queued or not sent at all: there is no half-sent state to clean up.
+  fully queued or not sent at all: there is no half-sent state to clean up. Cutting
+  the received bytes into replies, strictly and in linear time, is
+  :class:`~elockd.client.replies.ReplyReader`'s job.
 * **Deadlines.** Every request gets a deadline (reply timeout plus the time it may
   wait on the server, chained behind the requests before it, since the server runs
   one connection's commands in order). :meth:`ClientCore.tick` fails the whole
@@ -36,11 +38,15 @@ from elockd.client.errors import (
     ConnectionLost,
     KeyBusy,
     LockLost,
-    ProtocolError,
     ReplyTimeout,
     RequestError,
     Unavailable,
 )
+from elockd.client.replies import ReplyReader, is_refusal
+
+# Where they were first defined: elockctl and the tests import them from here.
+from elockd.client.replies import printable as printable
+from elockd.client.replies import quoted as quoted
 
 T = TypeVar("T")
 
@@ -50,21 +56,8 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 
 #: Verbs whose reply is several lines ending in ``END`` (when not refused).
 MULTILINE_VERBS = frozenset({b"stats", b"q", b"d", b"sd", b"dump", b"who"})
-#: A multi-line request answered with one of these got a one-line refusal instead.
-_ONE_LINE_REFUSALS = frozenset(
-    {
-        b"0 Auth Required",
-        b"0 Line Too Long",
-        b"403 Auth Required",
-        b"0 Backend Unavailable",
-        b"409 Backend Unavailable",
-        b"0 Too Many Connections",
-    }
-)
 #: The server's answers to a missing or wrong ``auth`` token.
 AUTH_REFUSALS = frozenset({b"0 Auth Required", b"403 Auth Required", b"403 Bad Token"})
-#: Every one-line reply of both families starts with its integer and a blank.
-_ONE_LINE_REPLY = re.compile(rb"\d+ ")
 #: What a terse probe's reply may say after its leading integer: the texts that mean
 #: yes (integer above 0) and no (integer 0), each as elockd's whole text and the
 #: start of glockd's (which goes on with the key). ``sg`` has no "no". Anything
@@ -196,6 +189,8 @@ class Hold:
         self.on_lost = on_lost
         self.lost = False
         self.lost_reason: str | None = None
+        # On the shell's clock (trio.current_time() or time.monotonic()): when the
+        # loss was found, or when the renewal or release that found it was sent.
         self.lost_at: float | None = None
         self.released = False
         self.renewals = 0
@@ -272,25 +267,6 @@ def _abandon_nothing(now: float) -> None:
     return None
 
 
-def printable(data: bytes) -> str:
-    """Bytes from the wire as text for a message: UTF-8 where it decodes, the rest
-    and anything unprintable escaped (``\\n``, ``\\xff``), never Python's ``b'…'``."""
-    text = data.decode("utf-8", "backslashreplace")
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
-def quoted(data: bytes) -> str:
-    """:func:`printable` in single quotes: keys and reply lines in messages."""
-    return f"'{printable(data)}'"
-
-
-def is_refusal(line: bytes) -> bool:
-    """A one-line refusal that stands in for a multi-line reply."""
-    return line in _ONE_LINE_REFUSALS or line.startswith(b"400 ")
-
-
 def encode_key(key: KeyLike) -> bytes:
     """A word-family key is one token: bytes, no blanks, no line ends, not empty."""
     raw = key.encode() if isinstance(key, str) else bytes(key)
@@ -328,7 +304,7 @@ class ClientCore:
         self.holds: dict[bytes, Hold] = {}  # every key this client holds or is acquiring
         self.error: ConnectionLost | None = None
         self._out: list[bytes] = []
-        self._buffer = b""
+        self._replies = ReplyReader()
         self._lost: list[Hold] = []  # lost holds whose on_lost is still to be called
         self._busy: set[bytes] = set()  # keys with an acquire in flight
 
@@ -367,11 +343,11 @@ class ClientCore:
         with :class:`ProtocolError`: the peer is not elockd, and reading its banner
         as an answer would turn "cannot tell" into "no".
         """
-        self._buffer += data
+        self._replies.feed(data)
         try:
             while self.pending:
                 request = self.pending[0]
-                lines = self._take_reply(request.multiline)
+                lines = self._replies.take_reply(request.multiline)
                 if lines is None:
                     return
                 self.pending.popleft()
@@ -381,55 +357,10 @@ class ClientCore:
                 if request.on_reply is not None:
                     request.on_reply(request)
                 request.event.set()
-            if self._buffer:
-                raise self._unasked()
+            if self._replies.buffer:
+                raise self._replies.unasked()
         except ConnectionLost as error:
             self.fail(error, now)
-
-    def _take_reply(self, multiline: bool) -> list[bytes] | None:
-        """The next reply's lines (without ``\\r\\n``), None until it is complete."""
-        first = self._first_line()
-        if first is None:
-            return None
-        if multiline and not is_refusal(first):
-            if not (first == b"END" or b": " in first or first == b"200 STATS"):
-                raise self._foreign()
-            return self._take_block()
-        if not _ONE_LINE_REPLY.match(first):
-            raise self._foreign()
-        self._buffer = self._buffer[len(first) + 2 :]
-        return [first]
-
-    def _first_line(self) -> bytes | None:
-        cut = self._buffer.find(b"\n")
-        if cut < 0:
-            return None
-        if self._buffer[cut - 1 : cut] != b"\r":
-            raise self._foreign()  # elockd ends every line in \r\n
-        return self._buffer[: cut - 1]
-
-    def _take_block(self) -> list[bytes] | None:
-        """A multi-line reply, up to its ``END`` line."""
-        end = b"END\r\n"
-        at = 0 if self._buffer.startswith(end) else self._buffer.find(b"\r\n" + end)
-        if at < 0:
-            return None
-        stop = at + len(end) + (0 if at == 0 else 2)
-        block = self._buffer[:stop]
-        self._buffer = self._buffer[stop:]
-        return block[:-2].split(b"\r\n")
-
-    def _foreign(self) -> ProtocolError:
-        data = self._buffer[:80]
-        return ProtocolError(f"not an elockd reply: {quoted(data.rstrip())}", data)
-
-    def _unasked(self) -> ConnectionLost:
-        """Bytes nobody asked for: elockd's refusal of the connection itself (``0 Too
-        Many Connections``, sent on accept), else a foreign peer's greeting."""
-        if _ONE_LINE_REPLY.match(self._buffer):
-            line = self._buffer.partition(b"\r\n")[0]
-            return ConnectionLost(f"the server said {quoted(line)} before any request")
-        return self._foreign()
 
     def fail(self, error: ConnectionLost, now: float) -> None:
         """The connection is unusable: fail every request, lose every hold."""

@@ -1,10 +1,14 @@
 """The trio client: :class:`Client` and :class:`RateLimiter`.
 
-Three background tasks per connection drive the sans-IO :class:`ClientCore`: a
-reader (replies to waiting requests), a writer (drains the output buffer) and a
-timer (lease renewals and reply deadlines). Caller tasks only queue requests and
-wait for their events, so any number of tasks can share one client and their
-requests are pipelined on the one connection.
+The public calls (``lock``, ``info``, ``stats``…) are
+:class:`~elockd.client.base.ClientBase`'s, written once in
+:mod:`elockd.client.calls` for both clients; this shell only says how to run one
+(:meth:`Client._method`: queue it, then await its replies). Three background tasks
+per connection drive the sans-IO :class:`ClientCore`: a reader (replies to waiting
+requests), a writer (drains the output buffer) and a timer (lease renewals and
+reply deadlines). Caller tasks only queue requests and wait for their events, so
+any number of tasks can share one client and their requests are pipelined on the
+one connection.
 
 Closing does not rely on those tasks: they run in the caller's nursery, so a cancel
 scope around ``async with Client(...)`` kills them before ``aclose()`` runs. The
@@ -14,26 +18,20 @@ close stops them and writes the last requests (queued releases, ``unlock_all``,
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import ssl
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import trio
 
 from elockd.client import core
-from elockd.client.base import ClientBase, describe
-from elockd.client.core import (
-    Hold,
-    KeyLike,
-    LockInfo,
-    Operation,
-)
-from elockd.client.errors import ConnectFailed, ConnectionLost, ElockError
+from elockd.client.base import ClientBase, RateLimiterBase, describe
+from elockd.client.core import Hold, Operation
+from elockd.client.errors import ConnectFailed, ConnectionLost
 
 log = logging.getLogger("elockd.client")
 T = TypeVar("T")
@@ -53,11 +51,12 @@ class Client(ClientBase):
             async with client.lock("nightly-backup", wait=10, ttl=30) as hold:
                 await backup(fencing_token=hold.token)
 
-    Settings (host, port or ``unix``, TLS, auth token, timeouts) are those of
-    :class:`~elockd.client.base.ClientBase`.
+    Settings (host, port or ``unix``, TLS, auth token, timeouts) and calls are
+    those of :class:`~elockd.client.base.ClientBase`; await each call.
     """
 
     make_event = trio.Event
+    is_async: ClassVar[Literal[True]] = True
 
     def _init_io(self) -> None:
         self._stream: trio.abc.Stream | None = None
@@ -302,145 +301,12 @@ class Client(ClientBase):
         finally:
             self._after()
 
-    # ------------------------------------------------------------ the API
+    @staticmethod
+    def _method(build: Callable[..., Operation[Any]]) -> Callable[..., Any]:
+        async def method(self: Client, *args: Any, **kwargs: Any) -> Any:
+            return await self._run(build(self.core, self._now(), *args, **kwargs))
 
-    async def acquire(
-        self,
-        key: KeyLike,
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Hold:
-        """Take an exclusive lock (``wait`` seconds at most; None: try once) and
-        return its hold; :class:`Unavailable` if not granted. Prefer :meth:`lock`."""
-        return await self._run(self.core.lock(key, self._now(), wait, ttl, on_lost))
-
-    async def acquire_shared(
-        self,
-        key: KeyLike,
-        limit: int | None = None,
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Hold:
-        """Take a shared hold, at most ``limit`` holders at once. Prefer :meth:`shared`."""
-        return await self._run(self.core.shared(key, self._now(), limit, wait, ttl, on_lost))
-
-    async def acquire_many(
-        self,
-        keys: Sequence[KeyLike],
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> Hold:
-        """Take every key or none (``mlock``). Prefer :meth:`mlock`."""
-        return await self._run(self.core.mlock(keys, self._now(), wait, ttl, on_lost))
-
-    async def release(self, hold: Hold) -> None:
-        """Free a hold; :class:`LockLost` if it had been lost. The release is queued
-        before the first checkpoint, so even a cancelled release happens."""
-        await self._run(self.core.release(hold, self._now()))
-
-    @asynccontextmanager
-    async def lock(
-        self,
-        key: KeyLike,
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> AsyncIterator[Hold]:
-        """``async with client.lock(key) as hold:`` — an exclusive lock for the
-        block. With ``ttl`` the hold is a lease, renewed in the background."""
-        hold = await self.acquire(key, wait, ttl, on_lost)
-        async with self._holding(hold):
-            yield hold
-
-    @asynccontextmanager
-    async def shared(
-        self,
-        key: KeyLike,
-        limit: int | None = None,
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> AsyncIterator[Hold]:
-        """``async with client.shared(key, limit=5) as hold:`` — one of at most
-        ``limit`` holders of ``key`` for the block."""
-        hold = await self.acquire_shared(key, limit, wait, ttl, on_lost)
-        async with self._holding(hold):
-            yield hold
-
-    @asynccontextmanager
-    async def mlock(
-        self,
-        keys: Sequence[KeyLike],
-        wait: float | None = None,
-        ttl: float | None = None,
-        on_lost: OnLost = None,
-    ) -> AsyncIterator[Hold]:
-        """``async with client.mlock(["a", "b"]) as hold:`` — all keys, never a
-        deadlock; ``hold.tokens`` has each key's fencing token."""
-        hold = await self.acquire_many(keys, wait, ttl, on_lost)
-        async with self._holding(hold):
-            yield hold
-
-    @asynccontextmanager
-    async def _holding(self, hold: Hold) -> AsyncIterator[None]:
-        """Release on the way out. An exception from the block wins over
-        :class:`LockLost` (the flag and callback still report the loss)."""
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(ElockError):
-                await self.release(hold)
-            raise
-        await self.release(hold)
-
-    async def info(self, key: KeyLike) -> LockInfo:
-        line = b"info " + core.encode_key(key)
-        return await self._run(self.core.simple(line, self._now(), core.parse_info))
-
-    async def stats(self) -> dict[str, int]:
-        return await self._run(self.core.simple(b"stats", self._now(), core.parse_stats))
-
-    async def ping(self) -> float:
-        """Round trip time in seconds."""
-        start = self._now()
-        await self._run(self.core.simple(b"ping", start, core.parse_ok(b"200 PONG")))
-        return self._now() - start
-
-    async def session_id(self) -> str:
-        """This session's id (a secret): another connection can :meth:`resume` it."""
-        reply = await self._run(self.core.simple(b"conn_id", self._now(), core.parse_word))
-        return reply.decode()
-
-    async def resume(self, session_id: str) -> bool:
-        """Take over a session whose connection dropped (its leases, or holds kept by
-        a grace time). False if it is gone or this client holds something already.
-        Call :meth:`lock` again for a key the session holds to get a :class:`Hold`
-        for it: it is granted at once with the same token."""
-        line = b"conn_id " + core.encode_key(session_id)
-        return await self._run(self.core.simple(line, self._now(), core.parse_resume))
-
-    async def set_grace(self, seconds: float) -> None:
-        """Keep this session's plain holds ``seconds`` after a disconnect, for a
-        :meth:`resume` (``set_timeout``)."""
-        line = b"set_timeout " + core.number(seconds * 1000, "grace")
-        await self._run(self.core.simple(line, self._now(), core.parse_ok(b"200 timeout set")))
-
-    async def command(self, line: str | bytes, *, check: bool = False) -> list[bytes]:
-        """Send any one request line and return its reply lines (``END`` dropped):
-        the escape hatch for terse verbs (``g``, ``si``, ``q``, ``d``…).
-
-        With ``check``, a reply that answers neither yes nor no raises instead of
-        being returned: :class:`AuthError` when the server wants a token, and
-        :class:`RequestError` for a one-line refusal of a multi-line verb or a terse
-        probe's reply that is not one of its own (``0 Backend Unavailable`` is no
-        "no"). Without it every reply comes back as it is.
-        """
-        raw = core.raw_line(line)
-        parse = core.parse_checked if check else core.parse_lines
-        return await self._run(self.core.simple(raw, self._now(), parse))
+        return method
 
     @property
     def holds(self) -> list[Hold]:
@@ -448,7 +314,7 @@ class Client(ClientBase):
         return list(dict.fromkeys(self.core.holds.values()))
 
 
-class RateLimiter:
+class RateLimiter(RateLimiterBase):
     """At most ``limit`` concurrent holders of ``key``, across every process and
     task that uses the same key and limit: "at most N workers hit this API".
 
@@ -460,20 +326,7 @@ class RateLimiter:
                 await call_partner_api()
     """
 
-    def __init__(
-        self,
-        key: KeyLike,
-        limit: int,
-        *,
-        wait: float | None = 60.0,
-        ttl: float | None = None,
-        **client_options: Any,
-    ) -> None:
-        core.encode_key(key)
-        if limit < 1:
-            raise ValueError("limit must be at least 1")
-        self.key, self.limit, self.wait, self.ttl = key, limit, wait, ttl
-        self.client_options = client_options
+    def _init_pool(self) -> None:
         self._idle: list[Client] = []
         self._all: list[Client] = []
         self._nursery: trio.Nursery | None = None
