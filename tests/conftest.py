@@ -3,12 +3,19 @@
 ``server`` runs :func:`elockd.server.serve` inside the test's own trio run, so a
 test that asks for ``mock_clock`` (pytest-trio's ``trio.testing.MockClock``) gets
 exact, instant leases, waits and grace periods over real TCP.
+
+``lock_server`` is the same, once per backend: in memory, and a cluster node on a
+real 3-member etcd (marked ``cluster``; ``-m "not cluster"`` leaves those out). The
+contract tests ask for it and for ``clock``, which is a ``MockClock`` in memory
+(waits and leases exact and instant) and real time on a cluster node (etcd answers
+in real time), so the same test runs on both.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,6 +67,22 @@ class LineClient:
             lines.append(line)
             if line == b"END\r\n":
                 return lines
+
+    @property
+    def peer(self) -> bytes:
+        """``IP:PORT`` of this client, as the server names it."""
+        host, port = self.stream.socket.getsockname()[:2]
+        return b"%s:%d" % (host.encode(), port)
+
+    async def reply(self, line: bytes) -> bytes:
+        """Send one request line; its one-line reply, ``\r\n`` included."""
+        await self.send(line + b"\n")
+        return await self.line()
+
+    async def listing(self, line: bytes) -> bytes:
+        """Send one request line; its multi-line reply, up to and including END."""
+        await self.send(line + b"\n")
+        return b"".join(await self.lines_until_end())
 
     async def request(self, line: bytes) -> bytes:
         """Send one request line and return its one-line reply (without ``\\r\\n``)."""
@@ -113,6 +136,63 @@ async def server(nursery: trio.Nursery, server_config: Config) -> AsyncIterator[
     yield running
     for client in running._clients:
         await client.aclose()
+
+
+BACKENDS = ["memory", pytest.param("cluster", marks=pytest.mark.cluster)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The backend a contract test runs on: ``memory`` or ``cluster``."""
+    return str(request.param)
+
+
+@pytest.fixture
+def clock(backend: str) -> trio.testing.MockClock | None:
+    """pytest-trio runs the test on this clock: instant in memory, real on etcd."""
+    return trio.testing.MockClock(autojump_threshold=0) if backend == "memory" else None
+
+
+@pytest.fixture
+def contract_config(backend: str, server_config: Config, request: pytest.FixtureRequest) -> Config:
+    """``server_config`` on the test's backend: a cluster node gets a fresh key prefix
+    on the session's etcd cluster, and the shortest session TTL."""
+    config = replace(server_config, host="127.0.0.1", port=0, metrics_port=0)
+    if backend == "memory":
+        return config
+    etcd: EtcdCluster = request.getfixturevalue("shared_etcd")
+    return replace(
+        config,
+        etcd=",".join(etcd.endpoints),
+        etcd_prefix=f"/contract-{uuid.uuid4().hex[:10]}/",
+        session_ttl=2,
+    )
+
+
+@pytest.fixture
+async def lock_server(
+    nursery: trio.Nursery, contract_config: Config
+) -> AsyncIterator[RunningServer]:
+    """A server on the test's backend, in the test's trio run."""
+    service = make_service(contract_config)
+    addresses = await nursery.start(serve, contract_config, service)
+    port = next(a[1] for a in addresses if isinstance(a, tuple))
+    running = RunningServer(port, service, contract_config, [])
+    yield running
+    for client in running._clients:
+        await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One 3-member etcd cluster for every contract test of the session (each test
+    has its own key prefix); a missing etcd fails, never skips."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("shared-etcd"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
 
 
 @pytest.fixture

@@ -1,171 +1,142 @@
-"""Every row of the terse table, both reply styles, through the sans-IO layer."""
+"""Every row of the terse table, both reply styles, on both backends (the in-memory
+server and a cluster node on a real etcd): one contract, byte for byte."""
 
 from __future__ import annotations
 
 import pytest
+import trio
 
-from elockd.protocol import Connection, Reply, Service, Streamed
-from tests.sansio import memory_service
+from elockd.config import Config
+from tests.conftest import LineClient, RunningServer
 
 ELOCKD, GLOCKD = "elockd", "glockd"
 
 
-def make_service(style: str = ELOCKD, **settings: int) -> Service:
-    return memory_service(replies=style, **settings)
+@pytest.fixture(params=[ELOCKD, GLOCKD])
+def server_config(request: pytest.FixtureRequest) -> Config:
+    return Config(replies=request.param)
 
 
-def whole(reply: Reply) -> bytes:
-    """A streamed reply (dumps, `who`) joined, as the client receives it."""
-    assert isinstance(reply, Streamed), reply
-    return reply.whole()
+async def pair(server: RunningServer) -> tuple[LineClient, LineClient]:
+    return await server.connect(), await server.connect()
 
 
-def pair(style: str = ELOCKD) -> tuple[Connection, Connection]:
-    service = make_service(style)
-    return Connection(service, b"10.0.0.1:1111"), Connection(service, b"10.0.0.2:2222")
-
-
-# (style, request by a, request by b, expected reply to b) after a took the locks below.
+# (request by b, expected reply in the elockd style, in the glockd style), after a
+# took "theirs" exclusively and "shared" shared, and b took "mine" and "myshared".
 ROWS = [
     # g: free / already mine / held by another
-    (ELOCKD, b"g free", b"1 Got Lock\r\n"),
-    (GLOCKD, b"g free", b"1 Lock Get Success: free\r\n"),
-    (ELOCKD, b"g mine", b"1 Got Lock\r\n"),
-    (GLOCKD, b"g mine", b"1 Lock Get Success: mine\r\n"),
-    (ELOCKD, b"g theirs", b"0 Cannot Get Lock\r\n"),
-    (GLOCKD, b"g theirs", b"0 Lock Get Failure: theirs\r\n"),
+    (b"g free", b"1 Got Lock\r\n", b"1 Lock Get Success: free\r\n"),
+    (b"g mine", b"1 Got Lock\r\n", b"1 Lock Get Success: mine\r\n"),
+    (b"g theirs", b"0 Cannot Get Lock\r\n", b"0 Lock Get Failure: theirs\r\n"),
     # r
-    (ELOCKD, b"r mine", b"1 Released Lock\r\n"),
-    (GLOCKD, b"r mine", b"1 Lock Release Success: mine\r\n"),
-    (ELOCKD, b"r theirs", b"0 Cannot Release Lock\r\n"),
-    (GLOCKD, b"r theirs", b"0 Lock Release Failure: theirs\r\n"),
-    (ELOCKD, b"r free", b"0 Cannot Release Lock\r\n"),
+    (b"r mine", b"1 Released Lock\r\n", b"1 Lock Release Success: mine\r\n"),
+    (b"r theirs", b"0 Cannot Release Lock\r\n", b"0 Lock Release Failure: theirs\r\n"),
+    (b"r free", b"0 Cannot Release Lock\r\n", b"0 Lock Release Failure: free\r\n"),
     # i
-    (ELOCKD, b"i theirs", b"1 Locked\r\n"),
-    (GLOCKD, b"i theirs", b"1 Lock Is Locked: theirs\r\n"),
-    (ELOCKD, b"i free", b"0 Not Locked\r\n"),
-    (GLOCKD, b"i free", b"0 Lock Not Locked: free\r\n"),
+    (b"i theirs", b"1 Locked\r\n", b"1 Lock Is Locked: theirs\r\n"),
+    (b"i free", b"0 Not Locked\r\n", b"0 Lock Not Locked: free\r\n"),
     # sg: N holders after; a repeat adds no hold
-    (ELOCKD, b"sg shared", b"2 Got Lock\r\n"),
-    (GLOCKD, b"sg shared", b"2 Shared Lock Get Success: shared\r\n"),
-    (ELOCKD, b"sg myshared", b"1 Got Lock\r\n"),
-    (GLOCKD, b"sg myshared", b"1 Shared Lock Get Success: myshared\r\n"),
+    (b"sg shared", b"2 Got Lock\r\n", b"2 Shared Lock Get Success: shared\r\n"),
+    (b"sg myshared", b"1 Got Lock\r\n", b"1 Shared Lock Get Success: myshared\r\n"),
     # sr
-    (ELOCKD, b"sr myshared", b"1 Released Lock\r\n"),
-    (GLOCKD, b"sr myshared", b"1 Shared Lock Release Success: myshared\r\n"),
-    (ELOCKD, b"sr shared", b"0 Cannot Release Lock\r\n"),
-    (GLOCKD, b"sr shared", b"0 Shared Lock Release Failure: shared\r\n"),
+    (b"sr myshared", b"1 Released Lock\r\n", b"1 Shared Lock Release Success: myshared\r\n"),
+    (b"sr shared", b"0 Cannot Release Lock\r\n", b"0 Shared Lock Release Failure: shared\r\n"),
     # si: anyone may ask
-    (ELOCKD, b"si shared", b"1 Locked\r\n"),
-    (GLOCKD, b"si shared", b"1 Shared Lock Is Locked: shared\r\n"),
-    (ELOCKD, b"si free", b"0 Not Locked\r\n"),
-    (GLOCKD, b"si free", b"0 Shared Lock Not Locked: free\r\n"),
+    (b"si shared", b"1 Locked\r\n", b"1 Shared Lock Is Locked: shared\r\n"),
+    (b"si free", b"0 Not Locked\r\n", b"0 Shared Lock Not Locked: free\r\n"),
 ]
 
 
-@pytest.mark.parametrize(("style", "request_line", "expected"), ROWS)
-def test_terse_table(style: str, request_line: bytes, expected: bytes) -> None:
-    a, b = pair(style)
-    # a holds "theirs" exclusively and "shared" shared; b holds "mine" and "myshared".
-    assert a.handle(b"g theirs", 0.0)[:1] == b"1"
-    assert a.handle(b"sg shared", 0.0)[:1] == b"1"
-    assert b.handle(b"g mine", 0.0)[:1] == b"1"
-    assert b.handle(b"sg myshared", 0.0)[:1] == b"1"
-    assert b.handle(request_line, 0.0) == expected
+async def test_terse_table(lock_server: RunningServer, clock: object) -> None:
+    """Each row on a fresh pair of holders (rows change the tables)."""
+    glockd = lock_server.config.replies == GLOCKD
+    for row, (request_line, elockd_reply, glockd_reply) in enumerate(ROWS):
+        a, b = await pair(lock_server)
+        suffix = b"-%d" % row  # each row on keys of its own
+        for client, line in ((a, b"g theirs"), (a, b"sg shared"), (b, b"g mine")):
+            assert (await client.reply(line + suffix))[:1] == b"1"
+        assert (await b.reply(b"sg myshared" + suffix))[:1] == b"1"
+        # glockd's texts end with the key, which carries the row's suffix here.
+        expected = glockd_reply[:-2] + suffix + b"\r\n" if glockd else elockd_reply
+        assert await b.reply(request_line + suffix) == expected, request_line
+        await a.aclose()
+        await b.aclose()
 
 
-def test_repeated_get_keeps_one_hold() -> None:
-    a, b = pair()
-    assert a.handle(b"g k", 0.0) == b"1 Got Lock\r\n"
-    assert a.handle(b"g k", 0.0) == b"1 Got Lock\r\n"
-    assert a.handle(b"r k", 0.0) == b"1 Released Lock\r\n"
-    assert b.handle(b"g k", 0.0) == b"1 Got Lock\r\n"
+async def test_repeated_get_keeps_one_hold(lock_server: RunningServer, clock: object) -> None:
+    a, b = await pair(lock_server)
+    assert (await a.reply(b"g k"))[:1] == b"1"
+    assert (await a.reply(b"g k"))[:1] == b"1"
+    assert (await a.reply(b"r k"))[:1] == b"1"
+    assert (await b.reply(b"g k"))[:1] == b"1"
 
 
-def test_shared_counts_and_repeat_by_holder() -> None:
-    a, b = pair()
-    assert a.handle(b"sg k", 0.0) == b"1 Got Lock\r\n"
-    assert a.handle(b"sg k", 0.0) == b"1 Got Lock\r\n"
-    assert b.handle(b"sg k", 0.0) == b"2 Got Lock\r\n"
-    assert b.handle(b"si k", 0.0) == b"2 Locked\r\n"
-    assert a.handle(b"sr k", 0.0) == b"1 Released Lock\r\n"
-    assert a.handle(b"si k", 0.0) == b"1 Locked\r\n"
+@pytest.mark.parametrize("server_config", [Config()])
+async def test_shared_counts_and_repeat_by_holder(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"sg k") == b"1 Got Lock\r\n"
+    assert await a.reply(b"sg k") == b"1 Got Lock\r\n"
+    assert await b.reply(b"sg k") == b"2 Got Lock\r\n"
+    assert await b.reply(b"si k") == b"2 Locked\r\n"
+    assert await a.reply(b"sr k") == b"1 Released Lock\r\n"
+    assert await a.reply(b"si k") == b"1 Locked\r\n"
 
 
-def test_exclusive_and_shared_tables_are_separate() -> None:
-    a, b = pair()
-    assert a.handle(b"g k", 0.0) == b"1 Got Lock\r\n"
-    assert b.handle(b"sg k", 0.0) == b"1 Got Lock\r\n"
-    assert b.handle(b"i k", 0.0) == b"1 Locked\r\n"
-    assert a.handle(b"si k", 0.0) == b"1 Locked\r\n"
+@pytest.mark.parametrize("server_config", [Config()])
+async def test_exclusive_and_shared_tables_are_separate(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"g k") == b"1 Got Lock\r\n"
+    assert await b.reply(b"sg k") == b"1 Got Lock\r\n"
+    assert await b.reply(b"i k") == b"1 Locked\r\n"
+    assert await a.reply(b"si k") == b"1 Locked\r\n"
 
 
-@pytest.mark.parametrize(
-    ("line", "key_line"),
-    [
+@pytest.mark.parametrize("server_config", [Config(replies=GLOCKD)])
+async def test_terse_key_normalisation(lock_server: RunningServer, clock: object) -> None:
+    a = await lock_server.connect()
+    for line, key in [
         (b"g  a   b ", b"a b"),
         (b"g\ta\t\tb", b"a b"),
         (b"  g a b  \r", b"a b"),
         (b"g", b""),
         (b"g   ", b""),
-    ],
-)
-def test_terse_key_normalisation(line: bytes, key_line: bytes) -> None:
-    a, _ = pair(GLOCKD)
-    assert a.handle(line, 0.0) == b"1 Lock Get Success: " + key_line + b"\r\n"
+    ]:
+        assert await a.reply(line) == b"1 Lock Get Success: " + key + b"\r\n", line
 
 
-def test_only_one_trailing_cr_is_dropped() -> None:
-    a, _ = pair(GLOCKD)
-    assert a.handle(b"g a\r\r", 0.0) == b"1 Lock Get Success: a\r\r\n"
-
-
-def test_binary_keys_are_never_decoded() -> None:
-    a, b = pair(GLOCKD)
+@pytest.mark.parametrize("server_config", [Config(replies=GLOCKD)])
+async def test_binary_keys_are_never_decoded(lock_server: RunningServer, clock: object) -> None:
+    a, b = await pair(lock_server)
     key = bytes(range(0x80, 0x100)) + b"\x00\x01\rz"
-    assert a.handle(b"g " + key, 0.0) == b"1 Lock Get Success: " + key + b"\r\n"
-    assert b.handle(b"g " + key, 0.0) == b"0 Lock Get Failure: " + key + b"\r\n"
+    assert await a.reply(b"g " + key) == b"1 Lock Get Success: " + key + b"\r\n"
+    assert await b.reply(b"g " + key) == b"0 Lock Get Failure: " + key + b"\r\n"
 
 
-def test_verbs_are_case_sensitive() -> None:
-    a, _ = pair()
-    assert a.handle(b"G k", 0.0) == b"0 Invalid Command: G\r\n"
+@pytest.mark.parametrize("server_config", [Config()])
+async def test_unknown_verbs_empty_lines_and_case(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a = await lock_server.connect()
+    assert await a.reply(b"G k") == b"0 Invalid Command: G\r\n"
+    assert await a.reply(b"nope k") == b"0 Invalid Command: nope\r\n"
+    assert await a.reply(b"") == b"0 Invalid Command: \r\n"
+    assert await a.reply(b" \t ") == b"0 Invalid Command: \r\n"
+    assert await a.reply(b"v" * 100) == b"0 Invalid Command: " + b"v" * 64 + b"\r\n"
+    assert await a.reply(b"x" * 5000) == b"0 Line Too Long\r\n"
+    assert (await a.stats())["invalid_commands"] == 6
 
 
-def test_unknown_verb_and_empty_line() -> None:
-    service = make_service()
-    a = Connection(service, b"x:1")
-    assert a.handle(b"nope k", 0.0) == b"0 Invalid Command: nope\r\n"
-    assert a.handle(b"", 0.0) == b"0 Invalid Command: \r\n"
-    assert a.handle(b" \t ", 0.0) == b"0 Invalid Command: \r\n"
-    assert a.handle(b"v" * 100, 0.0) == b"0 Invalid Command: " + b"v" * 64 + b"\r\n"
-    assert service.counters.invalid_commands == 4
-
-
-def test_too_long_marker_is_answered_and_counted() -> None:
-    service = make_service()
-    a = Connection(service, b"x:1")
-    assert a.handle(None, 0.0) == b"0 Line Too Long\r\n"
-    assert service.counters.invalid_commands == 1
-
-
-def parse_q(reply: bytes) -> dict[str, int]:
-    lines = reply.split(b"\r\n")
-    assert lines[-2:] == [b"END", b""]
-    values = {}
-    for line in lines[:-2]:
-        name, _, value = line.decode().partition(": ")
-        values[name] = int(value)
-    return values
-
-
-def test_q_lists_every_counter_sorted() -> None:
-    a, b = pair()
-    a.handle(b"g k", 0.0)
-    b.handle(b"sg k", 0.0)
-    b.handle(b"sg j", 0.0)
-    b.handle(b"ping", 0.0)
-    values = parse_q(a.handle(b"q", 0.0))
+async def test_q_lists_every_counter_sorted(lock_server: RunningServer, clock: object) -> None:
+    a, b = await pair(lock_server)
+    await a.reply(b"g k")
+    await b.reply(b"sg k")
+    await b.reply(b"sg j")
+    await b.reply(b"ping")
+    values = await a.stats()
     assert list(values) == sorted(values)
     always = (
         "command_d command_dump command_g command_i command_q command_r command_sd "
@@ -183,56 +154,66 @@ def test_q_lists_every_counter_sorted() -> None:
     assert values["connections"] == 2
 
 
-def test_disconnect_frees_and_counts_orphans() -> None:
-    a, b = pair()
-    a.handle(b"g x", 0.0)
-    a.handle(b"g y", 0.0)
-    a.handle(b"sg s", 0.0)
-    a.close(1.0)
-    values = parse_q(b.handle(b"q", 1.0))
+async def test_disconnect_frees_and_counts_orphans(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    for line in (b"g x", b"g y", b"sg s"):
+        assert (await a.reply(line))[:1] == b"1"
+    await a.aclose()
+    with trio.fail_after(10):
+        while (values := await b.stats())["locks"] or values["shared_locks"]:
+            await trio.sleep(0.01)
     assert values["orphans"] == 2
     assert values["shared_orphans"] == 1
-    assert values["locks"] == 0
     assert values["connections"] == 1
-    assert b.handle(b"g x", 1.0) == b"1 Got Lock\r\n"
+    assert (await b.reply(b"g x"))[:1] == b"1"
 
 
-def test_dump_lists_holders_by_owner() -> None:
-    a, b = pair()
-    a.handle(b"g x", 0.0)
-    b.handle(b"g y", 0.0)
-    b.handle(b"iam worker-7", 0.0)
-    a.handle(b"sg s", 0.0)
-    b.handle(b"sg s", 0.0)
-    assert whole(a.handle(b"d", 0.0)) == b"x: 10.0.0.1:1111\r\ny: worker-7\r\nEND\r\n"
-    assert whole(a.handle(b"d y", 0.0)) == b"y: worker-7\r\nEND\r\n"
-    assert whole(a.handle(b"d nothing", 0.0)) == b"END\r\n"
-    assert whole(a.handle(b"sd s", 0.0)) == b"s: 10.0.0.1:1111\r\ns: worker-7\r\nEND\r\n"
-    assert whole(a.handle(b"dump", 0.0)) == whole(a.handle(b"d", 0.0))
-    assert whole(a.handle(b"dump shared", 0.0)) == whole(a.handle(b"sd", 0.0))
-    assert whole(a.handle(b"dump y", 0.0)) == whole(a.handle(b"d", 0.0))  # no keyed dump: all keys
+@pytest.mark.parametrize("server_config", [Config()])
+async def test_dump_lists_holders_by_owner(lock_server: RunningServer, clock: object) -> None:
+    """A name set with ``iam`` after the hold was taken shows in the dump."""
+    a, b = await pair(lock_server)
+    await a.reply(b"g x")
+    await b.reply(b"g y")
+    assert await b.reply(b"iam worker-7") == b"1 ok\r\n"
+    await a.reply(b"sg s")
+    await b.reply(b"sg s")
+    mine = a.peer
+    assert await a.listing(b"d") == b"x: %s\r\ny: worker-7\r\nEND\r\n" % mine
+    assert await a.listing(b"d y") == b"y: worker-7\r\nEND\r\n"
+    assert await a.listing(b"d nothing") == b"END\r\n"
+    assert await a.listing(b"sd s") == b"s: %s\r\ns: worker-7\r\nEND\r\n" % mine
+    assert await a.listing(b"dump") == await a.listing(b"d")
+    assert await a.listing(b"dump shared") == await a.listing(b"sd")
+    assert await a.listing(b"dump y") == await a.listing(b"d")  # no keyed dump: all keys
 
 
-def test_iam_who_me() -> None:
-    a, b = pair()
-    assert a.handle(b"me", 0.0) == b"1 10.0.0.1:1111 10.0.0.1:1111\r\n"
-    assert a.handle(b"iam  cron  job ", 0.0) == b"1 ok\r\n"
-    assert a.handle(b"me", 0.0) == b"1 10.0.0.1:1111 cron job\r\n"
-    assert b.handle(b"iam web", 0.0) == b"1 ok\r\n"
-    listing = whole(b.handle(b"who", 0.0))
-    assert listing == b"10.0.0.1:1111: cron job\r\n10.0.0.2:2222: web\r\nEND\r\n"  # naming order
-    assert a.handle(b"iam cron", 0.0) == b"1 ok\r\n"  # naming again moves it last
-    assert whole(b.handle(b"who", 0.0)) == b"10.0.0.2:2222: web\r\n10.0.0.1:1111: cron\r\nEND\r\n"
-    assert whole(b.handle(b"who web", 0.0)) == b"10.0.0.2:2222: web\r\nEND\r\n"
-    assert whole(b.handle(b"who nobody", 0.0)) == b"END\r\n"
-    assert a.handle(b"iam", 0.0) == b"1 ok\r\n"  # no name: cleared
-    assert a.handle(b"me", 0.0) == b"1 10.0.0.1:1111 10.0.0.1:1111\r\n"
+@pytest.mark.parametrize("server_config", [Config()])
+async def test_iam_who_me(lock_server: RunningServer, clock: object) -> None:
+    a, b = await pair(lock_server)
+    pa, pb = a.peer, b.peer
+    assert await a.reply(b"me") == b"1 %s %s\r\n" % (pa, pa)
+    assert await a.reply(b"iam  cron  job ") == b"1 ok\r\n"
+    assert await a.reply(b"me") == b"1 %s cron job\r\n" % pa
+    assert await b.reply(b"iam web") == b"1 ok\r\n"
+    listing = await b.listing(b"who")
+    assert listing == b"%s: cron job\r\n%s: web\r\nEND\r\n" % (pa, pb)  # naming order
+    assert await a.reply(b"iam cron") == b"1 ok\r\n"  # naming again moves it last
+    assert await b.listing(b"who") == b"%s: web\r\n%s: cron\r\nEND\r\n" % (pb, pa)
+    assert await b.listing(b"who web") == b"%s: web\r\nEND\r\n" % pb
+    assert await b.listing(b"who nobody") == b"END\r\n"
+    assert await a.reply(b"iam") == b"1 ok\r\n"  # no name: cleared
+    assert await a.reply(b"me") == b"1 %s %s\r\n" % (pa, pa)
 
 
-def test_only_one_cr_before_the_newline_is_dropped() -> None:
+@pytest.mark.parametrize("server_config", [Config()])
+async def test_only_one_cr_before_the_newline_is_dropped(
+    lock_server: RunningServer, clock: object
+) -> None:
     """A key may end in \\r: send one more (``g a\\r\\r\\n`` locks ``a\\r``)."""
-    a, b = pair()
-    assert a.handle(b"g a\r\r", 0.0) == b"1 Got Lock\r\n"  # LineReader gives lines without \n
-    assert b.handle(b"i a\r", 0.0) == b"0 Not Locked\r\n"  # that is key "a"
-    assert b.handle(b"i a\r\r", 0.0) == b"1 Locked\r\n"  # and this "a\r"
-    assert whole(a.handle(b"d", 0.0)) == b"a\r: 10.0.0.1:1111\r\nEND\r\n"
+    a, b = await pair(lock_server)
+    assert await a.reply(b"g a\r\r") == b"1 Got Lock\r\n"
+    assert await b.reply(b"i a\r") == b"0 Not Locked\r\n"  # that is key "a"
+    assert await b.reply(b"i a\r\r") == b"1 Locked\r\n"  # and this "a\r"
+    assert await a.listing(b"d") == b"a\r: %s\r\nEND\r\n" % a.peer

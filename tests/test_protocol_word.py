@@ -1,190 +1,226 @@
-"""Every row of the word table through the sans-IO layer, and every bad argument."""
+"""Every row of the word table, and every bad argument, on both backends (the
+in-memory server and a cluster node on a real etcd): one contract, byte for byte.
+
+In memory the test runs on a MockClock, so waits and leases are exact; on a
+cluster node it runs in real time, so durations are short and read with a margin.
+"""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+import trio
 
-from elockd.protocol import Connection, Service
-from tests.sansio import memory_service, waiting, whole
-
-
-def make_service(**settings: object) -> Service:
-    return memory_service(**settings)
+from elockd.config import Config
+from tests.conftest import LineClient, RunningServer
 
 
-def pair(**settings: object) -> tuple[Connection, Connection]:
-    service = make_service(**settings)
-    return Connection(service, b"10.0.0.1:1111"), Connection(service, b"10.0.0.2:2222")
+async def pair(server: RunningServer) -> tuple[LineClient, LineClient]:
+    return await server.connect(), await server.connect()
 
 
-def test_lock_unlock_and_the_shared_table_of_g() -> None:
-    a, b = pair()
-    assert a.handle(b"lock k", 0.0) == b"200 Acquired\r\n"
-    assert a.handle(b"lock k", 0.0) == b"200 Acquired\r\n"  # a repeat: no second hold
-    assert b.handle(b"lock k", 0.0) == b"409 Unavailable\r\n"
-    assert b.handle(b"lock k 0", 0.0) == b"409 Unavailable\r\n"  # WAIT 0: try once
-    assert b.handle(b"g k", 0.0) == b"0 Cannot Get Lock\r\n"
-    assert b.handle(b"unlock k", 0.0) == b"403 Not Locked\r\n"
-    assert a.handle(b"unlock k", 0.0) == b"200 Unlocked\r\n"
-    assert a.handle(b"unlock k", 0.0) == b"403 Not Locked\r\n"
-    assert b.handle(b"g t", 0.0) == b"1 Got Lock\r\n"
-    assert b.handle(b"unlock t", 0.0) == b"200 Unlocked\r\n"  # unlock frees a g hold
+async def until_waiting(client: LineClient, key: bytes, count: int = 1) -> None:
+    """Wait until ``count`` requests wait for ``key`` (as ``info`` tells)."""
+    with trio.fail_after(10):
+        while b"waiting=%d " % count not in await client.reply(b"info " + key):
+            await trio.sleep(0.01)
 
 
-def test_lock_with_wait_returns_a_pending_request() -> None:
-    a, b = pair()
-    a.handle(b"lock k", 0.0)
-    pending = b.handle(b"lock k 2.5", 0.0)
-    assert waiting(pending)
-    a.handle(b"unlock k", 1.0)
-    assert whole(pending) == b"200 Acquired\r\n"
+def seconds_left(info: bytes) -> float:
+    match = re.search(rb" ttl=([0-9.]+) ", info)
+    assert match, info
+    return float(match.group(1))
 
 
-def test_a_wait_that_ends_ungranted_is_a_timeout_and_can_never_be_granted() -> None:
-    a, b = pair()
-    a.handle(b"lock k", 0.0)
-    pending = b.handle(b"lock k 1", 0.0)
-    assert waiting(pending)
-    a.service.backend.advance(1.0)  # the engine times the wait out
-    assert whole(pending) == b"409 Unavailable\r\n"
-    a.handle(b"unlock k", 2.0)
-    assert b.handle(b"info k", 2.0).startswith(b"200 key=k exclusive=- ")
-    assert a.service.snapshot()["timeouts"] == 1
+async def test_lock_unlock_and_the_shared_table_of_g(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"lock k") == b"200 Acquired\r\n"
+    assert await a.reply(b"lock k") == b"200 Acquired\r\n"  # a repeat: no second hold
+    assert await b.reply(b"lock k") == b"409 Unavailable\r\n"
+    assert await b.reply(b"lock k 0") == b"409 Unavailable\r\n"  # WAIT 0: try once
+    assert await b.reply(b"g k") == b"0 Cannot Get Lock\r\n"
+    assert await b.reply(b"unlock k") == b"403 Not Locked\r\n"
+    assert await a.reply(b"unlock k") == b"200 Unlocked\r\n"
+    assert await a.reply(b"unlock k") == b"403 Not Locked\r\n"
+    assert await b.reply(b"g t") == b"1 Got Lock\r\n"
+    assert await b.reply(b"unlock t") == b"200 Unlocked\r\n"  # unlock frees a g hold
 
 
-def test_unlock_all_frees_both_tables() -> None:
-    a, b = pair()
-    a.handle(b"lock x", 0.0)
-    a.handle(b"lock_shared s", 0.0)
-    assert a.handle(b"unlock_all", 0.0) == b"200 OK\r\n"
-    assert b.handle(b"lock x", 0.0) == b"200 Acquired\r\n"
-    assert b.handle(b"si s", 0.0) == b"0 Not Locked\r\n"
+async def test_a_waiting_lock_is_granted_when_the_holder_lets_go(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"lock k") == b"200 Acquired\r\n"
+    await b.send(b"lock k 30\n")
+    await until_waiting(a, b"k")
+    assert await a.reply(b"unlock k") == b"200 Unlocked\r\n"
+    assert await b.line() == b"200 Acquired\r\n"
 
 
-def test_conn_id_is_128_random_bits_in_hex() -> None:
-    a, b = pair()
-    first = a.handle(b"conn_id", 0.0)
+async def test_a_wait_that_ends_ungranted_is_a_timeout_and_can_never_be_granted(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"lock k") == b"200 Acquired\r\n"
+    started = trio.current_time()
+    assert await b.reply(b"lock k 0.5") == b"409 Unavailable\r\n"
+    assert trio.current_time() - started >= 0.5
+    assert await a.reply(b"unlock k") == b"200 Unlocked\r\n"
+    assert (await b.reply(b"info k")).startswith(b"200 key=k exclusive=- ")
+    assert (await a.stats())["timeouts"] == 1
+
+
+async def test_unlock_all_frees_both_tables(lock_server: RunningServer, clock: object) -> None:
+    a, b = await pair(lock_server)
+    await a.reply(b"lock x")
+    await a.reply(b"lock_shared s")
+    assert await a.reply(b"unlock_all") == b"200 OK\r\n"
+    assert await b.reply(b"lock x") == b"200 Acquired\r\n"
+    assert await b.reply(b"si s") == b"0 Not Locked\r\n"
+
+
+async def test_conn_id_is_128_random_bits_in_hex(lock_server: RunningServer, clock: object) -> None:
+    a, b = await pair(lock_server)
+    first = await a.reply(b"conn_id")
     assert re.fullmatch(rb"200 [0-9a-f]{32}\r\n", first)
-    assert a.handle(b"conn_id", 0.0) == first
-    assert b.handle(b"conn_id", 0.0) != first
+    assert await a.reply(b"conn_id") == first
+    assert await b.reply(b"conn_id") != first
 
 
-def test_conn_id_takeover_rules() -> None:
-    a, b = pair()
-    service = a.service
-    a.handle(b"set_timeout 5000", 0.0)
-    a.handle(b"lock k", 0.0)
-    session_id = a.handle(b"conn_id", 0.0)[4:-2]
-    assert b.handle(b"conn_id " + session_id, 0.0) == b"403 cannot set conn id\r\n"  # connected
-    a.close(1.0)
-    b.handle(b"lock mine", 1.0)
-    assert b.handle(b"conn_id " + session_id, 1.0) == b"403 cannot set conn id\r\n"  # b holds
-    b.handle(b"unlock mine", 1.0)
-    assert b.handle(b"conn_id " + session_id, 1.0) == b"200 conn id set\r\n"
-    assert b.handle(b"conn_id", 1.0) == b"200 " + session_id + b"\r\n"
-    assert b.handle(b"unlock k", 1.0) == b"200 Unlocked\r\n"
-    assert service.snapshot()["orphans"] == 0
-    c = Connection(service, b"10.0.0.3:3")
-    assert c.handle(b"conn_id nosuchsession", 1.0) == b"403 cannot set conn id\r\n"
+async def test_conn_id_takeover_rules(lock_server: RunningServer, clock: object) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"set_timeout 30000") == b"200 timeout set\r\n"
+    assert await a.reply(b"lock k") == b"200 Acquired\r\n"
+    session_id = (await a.reply(b"conn_id"))[4:-2]
+    assert await b.reply(b"conn_id " + session_id) == b"403 cannot set conn id\r\n"  # connected
+    await a.aclose()
+    await b.reply(b"lock mine")
+    assert await b.reply(b"conn_id " + session_id) == b"403 cannot set conn id\r\n"  # b holds
+    await b.reply(b"unlock mine")
+    with trio.fail_after(10):  # the server notices a's disconnect
+        while (reply := await b.reply(b"conn_id " + session_id)) != b"200 conn id set\r\n":
+            assert reply == b"403 cannot set conn id\r\n"
+            await trio.sleep(0.01)
+    assert await b.reply(b"conn_id") == b"200 " + session_id + b"\r\n"
+    assert await b.reply(b"unlock k") == b"200 Unlocked\r\n"
+    assert (await b.stats())["orphans"] == 0
+    c = await lock_server.connect()
+    assert await c.reply(b"conn_id nosuchsession") == b"403 cannot set conn id\r\n"
 
 
-def test_set_timeout_and_quit() -> None:
-    a, _ = pair()
-    assert a.handle(b"set_timeout 1500", 0.0) == b"200 timeout set\r\n"
-    assert a.session.grace == 1.5
-    assert a.handle(b"quit", 0.0) == b"200 Bye\r\n"
-    assert a.closing
+async def test_set_timeout_and_quit(lock_server: RunningServer, clock: object) -> None:
+    a = await lock_server.connect()
+    assert await a.reply(b"set_timeout 1500") == b"200 timeout set\r\n"
+    assert await a.reply(b"quit") == b"200 Bye\r\n"
+    assert await a.at_eof()
 
 
-def test_stats_lists_elock_names_first_then_every_q_counter_once() -> None:
-    a, _ = pair()
-    a.handle(b"lock k", 0.0)
-    lines = a.handle(b"stats", 0.0).split(b"\r\n")
+async def test_stats_lists_elock_names_first_then_every_q_counter_once(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, _ = await pair(lock_server)
+    await a.reply(b"lock k")
+    lines = (await a.listing(b"stats")).split(b"\r\n")
     assert lines[0] == b"200 STATS"
     assert lines[1:4] == [b"STAT clients 2", b"STAT locks 1", b"STAT monitoring 2"]
     assert lines[-2:] == [b"END", b""]
     names = [line.split()[1] for line in lines[1:-2]]
     assert len(names) == len(set(names))
-    q_names = {name.encode() for name in a.service.snapshot()}
-    assert q_names <= set(names)
+    q_names = {name.encode() for name in await a.stats()}
+    assert q_names - {b"command_q"} <= set(names)
     for extra in (b"waiting", b"leases", b"expired", b"timeouts", b"sessions"):
         assert extra in names
 
 
-def test_lock_shared_counts_limits_and_repeats() -> None:
-    a, b = pair()
-    c = Connection(a.service, b"10.0.0.3:3")
-    assert a.handle(b"lock_shared s", 0.0) == b"200 1\r\n"
-    assert a.handle(b"lock_shared s", 0.0) == b"200 1\r\n"
-    assert b.handle(b"lock_shared s limit=2", 0.0) == b"200 2\r\n"
-    assert c.handle(b"lock_shared s limit=2", 0.0) == b"409 2\r\n"
-    assert c.handle(b"sg s", 0.0) == b"3 Got Lock\r\n"  # sg has no limit of its own
-    assert b.handle(b"unlock_shared s", 0.0) == b"200 2\r\n"
-    assert b.handle(b"unlock_shared s", 0.0) == b"403 Not Locked\r\n"
-    assert b.handle(b"lock_shared s 5", 0.0) == b"200 3\r\n"  # WAIT without limit: never waits
+async def test_lock_shared_counts_limits_and_repeats(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    c = await lock_server.connect()
+    assert await a.reply(b"lock_shared s") == b"200 1\r\n"
+    assert await a.reply(b"lock_shared s") == b"200 1\r\n"
+    assert await b.reply(b"lock_shared s limit=2") == b"200 2\r\n"
+    assert await c.reply(b"lock_shared s limit=2") == b"409 2\r\n"
+    assert await c.reply(b"sg s") == b"3 Got Lock\r\n"  # sg has no limit of its own
+    assert await b.reply(b"unlock_shared s") == b"200 2\r\n"
+    assert await b.reply(b"unlock_shared s") == b"403 Not Locked\r\n"
+    assert await b.reply(b"lock_shared s 5") == b"200 3\r\n"  # WAIT without limit: never waits
 
 
-def test_unlock_shared_reports_holders_after_a_hand_over() -> None:
-    a, b = pair()
-    a.handle(b"lock_shared s limit=1", 0.0)
-    pending = b.handle(b"lock_shared s 10 limit=1", 0.0)
-    assert waiting(pending)
-    assert a.handle(b"unlock_shared s", 1.0) == b"200 1\r\n"  # b got it in the same step
-    assert whole(pending) == b"200 1\r\n"
+async def test_unlock_shared_reports_holders_after_a_hand_over(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"lock_shared s limit=1") == b"200 1\r\n"
+    await b.send(b"lock_shared s 30 limit=1\n")
+    await until_waiting(a, b"s")
+    assert await a.reply(b"unlock_shared s") == b"200 1\r\n"  # b got it in the same step
+    assert await b.line() == b"200 1\r\n"
 
 
-def test_mlock_all_or_nothing_names_keys_held_by_others() -> None:
-    a, b = pair()
-    b.handle(b"lock y", 0.0)
-    b.handle(b"lock z", 0.0)
-    assert a.handle(b"mlock x y z", 0.0) == b"409 Unavailable y z\r\n"
-    assert a.handle(b"info x", 0.0).startswith(b"200 key=x exclusive=- ")
-    b.handle(b"unlock_all", 0.0)
-    assert a.handle(b"mlock x y z ttl=5", 0.0) == b"200 Acquired\r\n"
+async def test_mlock_all_or_nothing_names_keys_held_by_others(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    await b.reply(b"lock y")
+    await b.reply(b"lock z")
+    assert await a.reply(b"mlock x y z") == b"409 Unavailable y z\r\n"
+    assert (await a.reply(b"info x")).startswith(b"200 key=x exclusive=- ")
+    await b.reply(b"unlock_all")
+    assert await a.reply(b"mlock x y z ttl=5") == b"200 Acquired\r\n"
+    await trio.sleep(1)
+    info = await b.reply(b"info y")
     assert re.fullmatch(
-        rb"200 key=y exclusive=10.0.0.1:1111 shared=0 waiting=0 ttl=4.000 token=\d+\r\n",
-        b.handle(b"info y", 1.0),
+        rb"200 key=y exclusive=%s shared=0 waiting=0 ttl=[0-9.]+ token=\d+\r\n" % a.peer, info
     )
+    assert 3.5 <= seconds_left(info) <= 4.0
 
 
-def test_mlock_key_limit() -> None:
-    a, _ = pair(max_keys=3)
-    assert a.handle(b"mlock a b c", 0.0) == b"200 Acquired\r\n"
-    assert a.handle(b"mlock a b c d", 0.0) == b"413 Too Many Keys\r\n"
-    assert a.handle(b"mlock a a b b c c", 0.0) == b"200 Acquired\r\n"  # distinct keys count
+@pytest.mark.parametrize("server_config", [Config(max_keys=3)])
+async def test_mlock_key_limit(lock_server: RunningServer, clock: object) -> None:
+    a = await lock_server.connect()
+    assert await a.reply(b"mlock a b c") == b"200 Acquired\r\n"
+    assert await a.reply(b"mlock a b c d") == b"413 Too Many Keys\r\n"
+    assert await a.reply(b"mlock a a b b c c") == b"200 Acquired\r\n"  # distinct keys count
 
 
-def test_renew_token_info_ping() -> None:
-    a, b = pair()
-    a.handle(b"lock k", 0.0)
-    a.handle(b"sg s", 0.0)
-    assert a.handle(b"renew k ttl=2", 0.0) == b"200 Renewed\r\n"
-    assert a.handle(b"renew s ttl=2", 0.0) == b"200 Renewed\r\n"  # shared hold, else
-    assert b.handle(b"renew k ttl=2", 0.0) == b"403 Not Locked\r\n"
-    assert a.handle(b"token k", 0.0) == b"200 100\r\n"
-    assert a.handle(b"token s", 0.0) == b"403 Not Locked\r\n"
-    assert b.handle(b"token k", 0.0) == b"403 Not Locked\r\n"
-    assert b.handle(b"info k", 0.5) == (
-        b"200 key=k exclusive=10.0.0.1:1111 shared=0 waiting=0 ttl=1.500 token=100\r\n"
-    )
-    a.handle(b"iam builder", 0.5)
-    assert b.handle(b"info s", 0.5) == (
-        b"200 key=s exclusive=- shared=1 waiting=0 ttl=- token=-\r\n"
-    )
-    assert b.handle(b"info k", 0.5).startswith(b"200 key=k exclusive=builder ")
-    assert b.handle(b"ping", 0.0) == b"200 PONG\r\n"
+async def test_renew_token_info_ping(lock_server: RunningServer, clock: object) -> None:
+    a, b = await pair(lock_server)
+    await a.reply(b"lock k")
+    await a.reply(b"sg s")
+    assert await a.reply(b"renew k ttl=2") == b"200 Renewed\r\n"
+    assert await a.reply(b"renew s ttl=2") == b"200 Renewed\r\n"  # shared hold, else
+    assert await b.reply(b"renew k ttl=2") == b"403 Not Locked\r\n"
+    token = await a.reply(b"token k")
+    assert re.fullmatch(rb"200 [1-9][0-9]*\r\n", token)
+    assert await a.reply(b"token s") == b"403 Not Locked\r\n"
+    assert await b.reply(b"token k") == b"403 Not Locked\r\n"
+    await trio.sleep(0.5)
+    info = await b.reply(b"info k")
+    assert info.startswith(b"200 key=k exclusive=%s shared=0 waiting=0 ttl=" % a.peer)
+    assert info.endswith(b" token=%s" % token[4:])
+    assert 1.0 <= seconds_left(info) <= 1.5
+    assert await a.reply(b"iam builder") == b"1 ok\r\n"
+    assert await b.reply(b"info s") == b"200 key=s exclusive=- shared=1 waiting=0 ttl=- token=-\r\n"
+    assert (await b.reply(b"info k")).startswith(b"200 key=k exclusive=builder ")
+    assert await b.reply(b"ping") == b"200 PONG\r\n"
 
 
-def test_tokens_increase_over_every_grant() -> None:
-    a, b = pair()
+async def test_tokens_increase_over_every_grant(lock_server: RunningServer, clock: object) -> None:
+    """Across keys and sessions, and across the keys of one mlock."""
+    a, b = await pair(lock_server)
     seen = []
     for i in range(5):
-        conn = a if i % 2 else b
-        conn.handle(b"g k%d" % i, 0.0)
-        seen.append(int(conn.handle(b"token k%d" % i, 0.0)[4:-2]))
-    assert seen == sorted(seen) and len(set(seen)) == 5
+        client = a if i % 2 else b
+        assert await client.reply(b"g k%d" % i) == b"1 Got Lock\r\n"
+        seen.append(int((await client.reply(b"token k%d" % i))[4:-2]))
+    assert await a.reply(b"mlock m1 m2 m3") == b"200 Acquired\r\n"
+    for key in (b"m1", b"m2", b"m3"):
+        seen.append(int((await a.reply(b"token " + key))[4:-2]))
+    assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
 
 
 BAD_REQUESTS = [
@@ -238,35 +274,48 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize(("request_line", "reason"), BAD_REQUESTS)
-def test_bad_arguments_get_400_and_change_nothing(request_line: bytes, reason: bytes) -> None:
-    a, b = pair()
-    a.handle(b"lock k", 0.0)
-    a.handle(b"lock_shared s", 0.0)
-    before = (a.service.snapshot(), sorted(a.session.exclusive), sorted(a.session.shared))
-    assert a.handle(request_line, 0.0) == b"400 Bad Request: " + reason + b"\r\n"
-    after = (a.service.snapshot(), sorted(a.session.exclusive), sorted(a.session.shared))
-    verb = request_line.split()[0].decode()
-    before[0]["command_" + verb] = before[0].get("command_" + verb, 0) + 1  # it still counts
-    assert after == before
-    assert b.handle(b"lock k", 0.0) == b"409 Unavailable\r\n"
+async def test_bad_arguments_get_400_and_change_nothing(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"lock k") == b"200 Acquired\r\n"
+    assert await a.reply(b"lock_shared s") == b"200 1\r\n"
+    holds = await a.listing(b"d"), await a.listing(b"sd")
+    for request_line, reason in BAD_REQUESTS:
+        before = await a.stats()
+        assert await a.reply(request_line) == b"400 Bad Request: " + reason + b"\r\n"
+        after = await a.stats()
+        verb = "command_" + request_line.split()[0].decode()
+        before[verb] = before.get(verb, 0) + 1  # it still counts
+        before["command_q"] += 1  # and so does the q that read it
+        assert after == before, request_line
+    assert (await a.listing(b"d"), await a.listing(b"sd")) == holds
+    assert await b.reply(b"lock k") == b"409 Unavailable\r\n"
 
 
-def test_waiter_limit_gets_413_and_changes_nothing() -> None:
-    a, b = pair(max_waiters=1)
-    c = Connection(a.service, b"10.0.0.3:3")
-    a.handle(b"lock k", 0.0)
-    assert waiting(b.handle(b"lock k 5", 0.0))
-    assert c.handle(b"lock k 5", 0.0) == b"413 Too Many Waiters\r\n"
-    assert a.service.snapshot()["waiting"] == 1
+@pytest.mark.parametrize("server_config", [Config(max_waiters=1)])
+async def test_waiter_limit_gets_413_and_changes_nothing(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    c = await lock_server.connect()
+    assert await a.reply(b"lock k") == b"200 Acquired\r\n"
+    await b.send(b"lock k 30\n")
+    await until_waiting(a, b"k")
+    assert await c.reply(b"lock k 30") == b"413 Too Many Waiters\r\n"
+    assert (await a.stats())["waiting"] == 1
 
 
-def test_max_ttl_is_a_flag_and_its_bound_itself_is_allowed() -> None:
-    a, b = pair(max_ttl=10.0)
-    assert a.handle(b"lock k ttl=10", 0.0) == b"200 Acquired\r\n"
-    assert (
-        a.handle(b"renew k ttl=10.001", 0.0) == b"400 Bad Request: ttl above --max-ttl (10 s)\r\n"
+@pytest.mark.parametrize("server_config", [Config(max_ttl=10.0)])
+async def test_max_ttl_is_a_flag_and_its_bound_itself_is_allowed(
+    lock_server: RunningServer, clock: object
+) -> None:
+    a, b = await pair(lock_server)
+    assert await a.reply(b"lock k ttl=10") == b"200 Acquired\r\n"
+    assert await a.reply(b"renew k ttl=10.001") == (
+        b"400 Bad Request: ttl above --max-ttl (10 s)\r\n"
     )
-    assert a.handle(b"set_timeout 10000", 0.0) == b"200 timeout set\r\n"
-    assert a.handle(b"set_timeout 10001", 0.0).startswith(b"400 Bad Request: MS above")
-    assert waiting(b.handle(b"lock k 10", 0.0))
+    assert await a.reply(b"set_timeout 10000") == b"200 timeout set\r\n"
+    assert (await a.reply(b"set_timeout 10001")).startswith(b"400 Bad Request: MS above")
+    await b.send(b"lock k 10\n")
+    await until_waiting(a, b"k")
