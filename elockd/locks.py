@@ -52,20 +52,15 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 
+from elockd.backend import BackendUnavailable as BackendUnavailable
+from elockd.backend import QueueFull as QueueFull
+from elockd.backend import TooManyHolds as TooManyHolds
 from elockd.deadlines import Deadlines
 from elockd.sessions import Hold, Session
 
 WAITING = 0
 GRANTED = 1
 CANCELLED = 2
-
-
-class QueueFull(Exception):
-    """A key's queue already holds ``max_waiters`` requests."""
-
-
-class TooManyHolds(Exception):
-    """The session already has ``max_holds`` holds; a new one would pass the limit."""
 
 
 #: Holds freed per slice when sessions end in a crowd (10,000 connections holding a

@@ -18,8 +18,11 @@ import hmac
 import secrets
 from collections.abc import Awaitable, Callable, Iterator
 
+from elockd.backend import BackendUnavailable as BackendUnavailable
+from elockd.backend import QueueFull as QueueFull
+from elockd.backend import TooManyHolds as TooManyHolds
 from elockd.config import Config
-from elockd.locks import LockEngine, TooManyHolds, Waiter
+from elockd.locks import LockEngine, Waiter
 from elockd.logs import log_refusal
 from elockd.replies import STYLES, TerseReplies
 from elockd.stats import Backend, Counters, Timings, snapshot
@@ -34,11 +37,6 @@ INVALID_VERB_SHOWN = 64  # bytes of an unknown verb echoed back
 
 class BadRequest(Exception):
     """Raised by a word handler for bad arguments; becomes ``400 Bad Request: …``."""
-
-
-class BackendUnavailable(Exception):
-    """The lock backend cannot decide now (etcd has no quorum): the request fails
-    closed with :data:`TERSE_UNAVAILABLE` or :data:`WORD_UNAVAILABLE`."""
 
 
 TERSE_UNAVAILABLE = b"0 Backend Unavailable\r\n"
