@@ -12,7 +12,7 @@ Rules kept from the in-memory engine: plain holds follow the session's grace tim
 holds with ``ttl=`` outlive their connection until they expire (this node runs the
 timers), and ``conn_id ID`` takes over a session that lives on without a connection,
 on this node or (once its node is gone) on another. What etcd adds: when etcd has no
-quorum every decision fails closed with :class:`~elockd.protocol.BackendUnavailable`.
+quorum every decision fails closed with :class:`~elockd.backend.BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from elockd.backend import BackendUnavailable, QueueFull, TooManyHolds
 from elockd.cluster.etcd_client import (
     EtcdClient,
     EtcdError,
@@ -42,7 +43,16 @@ from elockd.cluster.etcd_client import (
     put_op,
     range_op,
 )
-from elockd.cluster.layout import EXCLUSIVE, SHARED, Layout, entry_value, parse_entry_value
+from elockd.cluster.layout import (
+    EXCLUSIVE,
+    SHARED,
+    Layout,
+    SessionRecord,
+    encode_record,
+    entry_value,
+    parse_entry_value,
+    parse_record,
+)
 from elockd.cluster.mirror import (
     GRANTED,
     LOST,
@@ -51,9 +61,7 @@ from elockd.cluster.mirror import (
     may_grant_shared,
 )
 from elockd.deadlines import Deadlines
-from elockd.locks import QueueFull, TooManyHolds
 from elockd.logthrottle import LogThrottle
-from elockd.protocol import BackendUnavailable
 from elockd.sessions import Hold, Session
 
 log = logging.getLogger("elockd.cluster")
@@ -286,7 +294,7 @@ class ClusterLockSpace:
             if (
                 session is not None
                 and record.mod_revision > session.record_revision
-                and _parse_record(record.value)[0] != self.node_id
+                and parse_record(record.value).node != self.node_id
             ):
                 self._moved(session, "claimed by another node while the watch was behind")
 
@@ -421,8 +429,7 @@ class ClusterLockSpace:
         return compare_mod(self.layout.session_record(session.id), "==", session.record_revision)
 
     def _record_value(self, session: ClusterSession, *, connected: bool) -> bytes:
-        grace_ms = round(session.grace * 1000)
-        return b"%s %d %d" % (self.node_id.encode(), connected, grace_ms)
+        return encode_record(SessionRecord(self.node_id, connected, round(session.grace * 1000)))
 
     async def _write_record(
         self, session: ClusterSession, *, connected: bool | None = None
@@ -453,7 +460,7 @@ class ClusterLockSpace:
                 found = result.kvs(0)
                 if not found or found[0].lease != session.lease:
                     break
-                if _parse_record(found[0].value)[0] != self.node_id:
+                if parse_record(found[0].value).node != self.node_id:
                     break  # another node claimed it
                 # Ours: a retried write whose first attempt committed, or a write of
                 # ours whose answer was lost. Go on from there.
@@ -576,7 +583,7 @@ class ClusterLockSpace:
         session = self._by_lease.get(kv.lease)
         if session is None or kv.mod_revision <= session.record_revision:
             return
-        node = kv.value.split(b" ", 1)[0].decode(errors="replace")
+        node = parse_record(kv.value).node
         if node != self.node_id:
             self._moved(session, f"node {node} claimed it")
 
@@ -608,15 +615,15 @@ class ClusterLockSpace:
         if not kvs:
             return None
         record = kvs[0]
-        node, connected, grace_ms = _parse_record(record.value)
-        if connected:
-            _, alive, _ = await self._etcd(self.client.get(self.layout.node(node)))
+        state = parse_record(record.value)
+        if state.connected:
+            _, alive, _ = await self._etcd(self.client.get(self.layout.node(state.node)))
             if alive:
                 return None
         session = ClusterSession(session_id, current.peer)
         session.name = current.name
         session.lease = record.lease
-        session.grace = grace_ms / 1000
+        session.grace = state.grace_ms / 1000
         value = self._record_value(session, connected=True)
         claimed = await self._etcd(
             self.client.txn(
@@ -1224,15 +1231,3 @@ def _nested_txn(compare: list[dict[str, Any]], success: list[dict[str, Any]]) ->
     """A txn inside a txn's operations (etcd 3.3+): each entry's own guard, so one
     entry already gone does not stop the others' deletes."""
     return {"request_txn": {"compare": compare, "success": success}}
-
-
-def _parse_record(value: bytes) -> tuple[str, bool, int]:
-    """(node id, connected, grace ms) of a session record."""
-    parts = value.split(b" ")
-    node = parts[0].decode(errors="replace")
-    connected = len(parts) > 1 and parts[1] == b"1"
-    try:
-        grace_ms = int(parts[2]) if len(parts) > 2 else 0
-    except ValueError:
-        grace_ms = 0
-    return node, connected, grace_ms
