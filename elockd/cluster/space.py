@@ -42,6 +42,7 @@ from elockd.cluster.etcd_client import (
     prefix_end,
     put_op,
     range_op,
+    txn_op,
 )
 from elockd.cluster.layout import (
     EXCLUSIVE,
@@ -58,7 +59,10 @@ from elockd.cluster.mirror import (
     LOST,
     ClusterWaiter,
     QueueMirror,
+    granted_kvs,
+    holders_after_handover,
     may_grant_shared,
+    shared_rule_input,
 )
 from elockd.deadlines import Deadlines
 from elockd.logthrottle import LogThrottle
@@ -702,7 +706,7 @@ class ClusterLockSpace:
             if position is None:
                 continue
             mine = kvs[position]
-            holding = position == 0 if name.kind == EXCLUSIVE else mine in _granted_kvs(kvs)
+            holding = position == 0 if name.kind == EXCLUSIVE else mine in granted_kvs(kvs)
             entries = requests.setdefault(mine.create_revision, [])
             entries.append((name.key if holding else b"", mine))
         now = trio.current_time()
@@ -762,7 +766,7 @@ class ClusterLockSpace:
         at its revision (the session itself may have re-created the key since), and
         all only while this node still owns the session."""
         deletes = [
-            _nested_txn([compare_create(key, "==", revision)], [delete_op(key)])
+            txn_op([compare_create(key, "==", revision)], [delete_op(key)])
             for key, revision in entries
         ]
         # etcd allows 128 operations per txn (--max-txn-ops) by default.
@@ -926,10 +930,10 @@ class ClusterLockSpace:
                 counts = [result.count(len(entries) + i) for i in range(len(keys))]
                 return revision, all(c == 1 for c in counts), None
             queue = result.kvs(len(entries))
-            holding = len(_granted_kvs(queue))  # ours included when it has no limit
+            holding = len(granted_kvs(queue))  # ours included when it has no limit
             if limit == 0:
                 return revision, True, holding
-            granted = may_grant_shared(_shared_rule_input(queue), revision, limit)
+            granted = may_grant_shared(shared_rule_input(queue), revision, limit)
             return revision, granted, holding + 1
         found = [result.kvs(i) for i in range(len(entries))]
         revisions = {kvs[0].create_revision for kvs in found if kvs}
@@ -1047,7 +1051,7 @@ class ClusterLockSpace:
             self.client.txn(
                 [self._record_guard(session)],
                 [
-                    _nested_txn([compare_create(entry, "==", hold.revision)], [delete_op(entry)]),
+                    txn_op([compare_create(entry, "==", hold.revision)], [delete_op(entry)]),
                     read_queue,
                 ],
                 [read_queue],
@@ -1059,7 +1063,7 @@ class ClusterLockSpace:
             # left, if anything, is the stray sweep's.
             return Grant(False)
         queue = result.kvs(1)
-        return Grant(True, _holders_after_handover(queue) if kind == SHARED else 0)
+        return Grant(True, holders_after_handover(queue) if kind == SHARED else 0)
 
     async def release_all(self, session: ClusterSession) -> None:
         """Free every hold; if etcd refuses, the holds are gone here anyway and the
@@ -1099,7 +1103,7 @@ class ClusterLockSpace:
 
     async def _holders(self, key: bytes) -> int:
         queues = await self.queue(SHARED, key)
-        return _granted_count(queues[0][1]) if queues else 0
+        return len(granted_kvs(queues[0][1])) if queues else 0
 
     async def holders(self, kind: bytes, key: bytes | None) -> Iterator[tuple[bytes, bytes]]:
         """(lock name, owner) of every hold in a table, or of one key: read from a
@@ -1109,7 +1113,7 @@ class ClusterLockSpace:
 
         def pairs() -> Iterator[tuple[bytes, bytes]]:
             for name, kvs in queues:
-                held = list(_granted_kvs(kvs)) if kind == SHARED else kvs[:1]
+                held = list(granted_kvs(kvs)) if kind == SHARED else kvs[:1]
                 for kv in held:
                     yield name, parse_entry_value(kv.value).owner
 
@@ -1121,7 +1125,7 @@ class ClusterLockSpace:
         shared = await self.queue(SHARED, key)
         head = exclusive[0][1][0] if exclusive else None
         waiting_exclusive = len(exclusive[0][1]) - 1 if exclusive else 0
-        holders = _granted_count(shared[0][1]) if shared else 0
+        holders = len(granted_kvs(shared[0][1])) if shared else 0
         waiting_shared = len(shared[0][1]) - holders if shared else 0
         return head, holders, waiting_exclusive + waiting_shared
 
@@ -1193,41 +1197,3 @@ def _carries(deadline: float, target: ClusterHold | ClusterSession) -> bool:
     if isinstance(target, ClusterSession):
         return target.grace_deadline == deadline and not target.connected
     return target.lease_deadline == deadline
-
-
-def _shared_rule_input(kvs: list[KeyValue]) -> list[tuple[int, int, bool]]:
-    values = [(kv.create_revision, parse_entry_value(kv.value)) for kv in kvs]
-    return [(revision, value.limit, value.held) for revision, value in values]
-
-
-def _granted_kvs(kvs: list[KeyValue]) -> list[KeyValue]:
-    """The entries of a shared queue that hold it: marked held, or without a limit."""
-    holding = []
-    for kv in kvs:
-        value = parse_entry_value(kv.value)
-        if value.held or value.limit == 0:
-            holding.append(kv)
-    return holding
-
-
-def _holders_after_handover(kvs: list[KeyValue]) -> int:
-    """Holders of a shared queue once the waiters that may now be granted are (the
-    in-memory engine hands over before it answers; here their nodes do it a few
-    milliseconds later, and the reply counts them already)."""
-    queue = _shared_rule_input(kvs)
-    for index, (revision, limit, held) in enumerate(queue):
-        if limit and not held:
-            if not may_grant_shared(queue, revision, limit):
-                break  # FIFO: nobody behind it goes first
-            queue[index] = (revision, limit, True)
-    return sum(1 for _, limit, held in queue if held or limit == 0)
-
-
-def _granted_count(kvs: list[KeyValue]) -> int:
-    return len(_granted_kvs(kvs))
-
-
-def _nested_txn(compare: list[dict[str, Any]], success: list[dict[str, Any]]) -> dict[str, Any]:
-    """A txn inside a txn's operations (etcd 3.3+): each entry's own guard, so one
-    entry already gone does not stop the others' deletes."""
-    return {"request_txn": {"compare": compare, "success": success}}
