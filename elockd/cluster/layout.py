@@ -11,7 +11,7 @@
     a node's heartbeat, bound to a short node lease: a session whose node's
     heartbeat is gone may be taken over (``conn_id``) on another node;
 ``<root>meta/token_floor``
-    added to every etcd revision to make a fencing token (see :mod:`.space`).
+    added to every etcd revision to make a fencing token (see :mod:`.ledger`).
 
 Queue entries are bound to their session's etcd lease, so a lost session frees
 everything at once. Lock names are hex-encoded: a ``/`` in a name can never reach
