@@ -127,6 +127,12 @@ def delete_op(key: bytes, range_end: bytes | None = None) -> dict[str, Any]:
     return {"request_delete_range": _with_range({"key": _b64(key)}, range_end)}
 
 
+def txn_op(compare: list[dict[str, Any]], success: list[dict[str, Any]]) -> dict[str, Any]:
+    """A txn inside a txn's operations (etcd 3.3+): each entry's own guard, so one
+    entry already gone does not stop the others' deletes."""
+    return {"request_txn": {"compare": compare, "success": success}}
+
+
 def _compare(key: bytes, op: str, target: str, field: str, operand: str) -> dict[str, Any]:
     if op not in _OPS:
         raise ValueError(f"compare op must be one of {sorted(_OPS)}, not {op!r}")

@@ -5,12 +5,13 @@
 ``<root>q/s/<hex key>/<lease hex>``
     an entry in the queue of a shared lock (``sg``, ``lock_shared``);
 ``<root>s/<sha256 of session id>``
-    a session's record: the node serving it, whether a client is connected;
+    a session's record (:class:`SessionRecord`): the node serving it, whether a
+    client is connected, its grace time;
 ``<root>n/<node id>``
     a node's heartbeat, bound to a short node lease: a session whose node's
     heartbeat is gone may be taken over (``conn_id``) on another node;
 ``<root>meta/token_floor``
-    added to every etcd revision to make a fencing token (see :mod:`.space`).
+    added to every etcd revision to make a fencing token (see :mod:`.ledger`).
 
 Queue entries are bound to their session's etcd lease, so a lost session frees
 everything at once. Lock names are hex-encoded: a ``/`` in a name can never reach
@@ -102,3 +103,34 @@ def parse_entry_value(value: bytes) -> EntryValue:
         return EntryValue(True, 1, None, b"?")
     owner = parts[3] if len(parts) > 3 else b""
     return EntryValue(held, limit, ttl if ttl > 0 else None, owner)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """What a session's record says: the node that serves the session, whether a
+    client is connected to it there, and its grace time in ms. A ``conn_id`` on
+    another node reads it to judge whether the session may be taken over, and to
+    carry its grace time along."""
+
+    node: str
+    connected: bool
+    grace_ms: int = 0
+
+
+def encode_record(record: SessionRecord) -> bytes:
+    """A session record's value: ``<node id> <connected 0|1> <grace ms>``. Fields
+    added later go at the end: :func:`parse_record` ignores what it does not know."""
+    return b"%s %d %d" % (record.node.encode(), record.connected, record.grace_ms)
+
+
+def parse_record(value: bytes) -> SessionRecord:
+    """The parts of a record value. Missing or malformed fields read as not
+    connected, with no grace time."""
+    parts = value.split(b" ")
+    node = parts[0].decode(errors="replace")
+    connected = len(parts) > 1 and parts[1] == b"1"
+    try:
+        grace_ms = int(parts[2]) if len(parts) > 2 else 0
+    except ValueError:
+        grace_ms = 0
+    return SessionRecord(node, connected, grace_ms)

@@ -113,6 +113,38 @@ def may_grant_shared(queue: Sequence[tuple[int, int, bool]], revision: int, limi
     return holding < limit
 
 
+# The same rule over a queue as a range read returns it (oldest first), for the
+# answers that come straight from a txn, before the watch brings its events.
+
+
+def shared_rule_input(kvs: list[KeyValue]) -> list[tuple[int, int, bool]]:
+    values = [(kv.create_revision, parse_entry_value(kv.value)) for kv in kvs]
+    return [(revision, value.limit, value.held) for revision, value in values]
+
+
+def granted_kvs(kvs: list[KeyValue]) -> list[KeyValue]:
+    """The entries of a shared queue that hold it: marked held, or without a limit."""
+    holding = []
+    for kv in kvs:
+        value = parse_entry_value(kv.value)
+        if value.held or value.limit == 0:
+            holding.append(kv)
+    return holding
+
+
+def holders_after_handover(kvs: list[KeyValue]) -> int:
+    """Holders of a shared queue once the waiters that may now be granted are (the
+    in-memory engine hands over before it answers; here their nodes do it a few
+    milliseconds later, and the reply counts them already)."""
+    queue = shared_rule_input(kvs)
+    for index, (revision, limit, held) in enumerate(queue):
+        if limit and not held:
+            if not may_grant_shared(queue, revision, limit):
+                break  # FIFO: nobody behind it goes first
+            queue[index] = (revision, limit, True)
+    return sum(1 for _, limit, held in queue if held or limit == 0)
+
+
 class ClusterWaiter:
     """A request whose entries are in etcd and that waits for the mirror to grant it.
 

@@ -1,0 +1,96 @@
+"""How a cluster node's work reaches etcd, and what it makes of etcd not answering.
+
+Every call a request makes goes through :meth:`EtcdCalls.etcd`: etcd without quorum,
+or an error reply, becomes :class:`~elockd.backend.BackendUnavailable` (the request
+fails closed; the node stays up) and is counted and logged once, here. Work that
+no request waits for (frees after a disconnect, lease ends) goes through
+:meth:`EtcdCalls.spawn`, into the nursery the node runs. Kept apart from the three
+parts that call etcd (:mod:`.ownership`, :mod:`.recipe`, :mod:`.node`) so that
+every one of them fails the same way, and so that a policy over all calls (how
+many may be in flight, which failures mean etcd is down) has one place to live.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from elockd.backend import BackendUnavailable
+from elockd.cluster.etcd_client import EtcdClient, EtcdError, EtcdUnavailable
+from elockd.cluster.ledger import ClusterSession
+from elockd.logthrottle import LogThrottle
+
+log = logging.getLogger("elockd.cluster")
+#: A node waiting for etcd at start-up says so every 10 s, not every retry.
+startup_wait_log = LogThrottle(log, logging.WARNING, 10.0)
+
+T = TypeVar("T")
+
+
+class EtcdCalls:
+    """The node's etcd client, the "backend unavailable" count, and the nursery
+    (set while the node runs) that background jobs start in."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self.client = client
+        self.nursery: trio.Nursery | None = None
+        self.backend_unavailable = 0
+        #: Called when etcd answers "lease not found" for a session's call: its
+        #: lease expired before this node noticed (see :mod:`.ownership`).
+        self.on_lease_gone: Callable[[ClusterSession, str], None] | None = None
+
+    def unavailable(self, what: str) -> None:
+        self.backend_unavailable += 1
+        log.warning("backend unavailable: etcd did not answer (%s)", what)
+
+    async def etcd(self, call: Awaitable[T], session: ClusterSession | None = None) -> T:
+        """Await an etcd call: etcd without quorum, or an error reply, becomes
+        BackendUnavailable (the request fails closed; the node stays up). "lease not
+        found" means the session's lease expired before this node noticed."""
+        try:
+            return await call
+        except EtcdUnavailable as error:
+            self.unavailable(str(error) or "no quorum")
+            raise BackendUnavailable("backend unavailable") from error
+        except EtcdError as error:
+            if session is not None and "lease not found" in error.message:
+                if self.on_lease_gone is not None:
+                    self.on_lease_gone(session, "etcd no longer knows its lease")
+            else:
+                self.unavailable(f"etcd refused a request: {error.message}")
+            raise BackendUnavailable(error.message) from error
+
+    async def until_answered(self, step: Callable[[], Awaitable[T]]) -> T:
+        """Retry a start-up step until etcd answers (a node may start before quorum)."""
+        while True:
+            try:
+                return await step()
+            except EtcdUnavailable as exc:
+                self.backend_unavailable += 1
+                startup_wait_log("waiting for etcd to start", fields={"cause": str(exc)})
+                await trio.sleep(1)
+
+    def spawn(self, job: Callable[[], Awaitable[object]], what: str) -> None:
+        """Run etcd work that no request waits for (frees after a disconnect, lease
+        ends). If etcd is down it is logged: the stray sweep or the session lease
+        frees it later."""
+        nursery = self.nursery
+        if nursery is None:
+            return
+
+        async def run() -> None:
+            try:
+                await job()
+            except (EtcdUnavailable, EtcdError, BackendUnavailable) as error:
+                self.unavailable(f"{what}: {error}")
+
+        nursery.start_soon(run)
+
+    async def revoke_quietly(self, lease: int) -> None:
+        """Revoke a lease on the way out; if etcd does not answer, its TTL ends it."""
+        with contextlib.suppress(EtcdUnavailable, EtcdError):
+            await self.client.lease_revoke(lease)

@@ -1,0 +1,201 @@
+"""The node's life in the cluster: join, stay current and alive, sweep, leave.
+
+Joining loads the token floor (the first node of a new cluster writes it), starts
+the node's heartbeat (a key under a short lease of its own, by which other nodes
+judge whether its sessions may be taken over) and loads the mirror of every queue.
+Then, until cancelled, three loops run side by side: the watch that keeps the
+mirror current (and reloads it when etcd has compacted past it), the heartbeat, and
+the keepalive of every session lease (every TTL/3), each round of which ends with
+the sweep of stray entries. Leaving revokes the node's sessions, so their locks go
+at once rather than after the session TTL.
+
+These are the node's own loops; a request never runs them. What they find, a
+session lost or claimed elsewhere, they hand to :mod:`.ownership`, which decides
+what it means for the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import trio
+
+from elockd.backend import BackendUnavailable
+from elockd.cluster.etcd_client import (
+    EtcdError,
+    EtcdUnavailable,
+    WatchCompacted,
+    compare_create,
+    prefix_end,
+    put_op,
+    range_op,
+)
+from elockd.cluster.ledger import ClusterSession
+from elockd.cluster.mirror import QueueMirror
+from elockd.cluster.ownership import SessionOwnership
+
+log = logging.getLogger("elockd.cluster")
+
+#: Seconds a node waits for etcd to release its sessions when it shuts down.
+SHUTDOWN_GRACE = 2.0
+
+
+class ClusterNode:
+    """One elockd node's membership of the cluster, and the background loops that
+    keep its sessions (one :class:`~elockd.cluster.ownership.SessionOwnership`) alive."""
+
+    def __init__(self, ownership: SessionOwnership, mirror: QueueMirror) -> None:
+        # The node keeps its sessions' leases alive: it runs on their ownership.
+        self.ownership = ownership
+        self.calls, self.ledger, self.layout = ownership.calls, ownership.ledger, ownership.layout
+        self.client = ownership.client
+        self.node_id = ownership.node_id
+        self.session_ttl = ownership.session_ttl
+        self.mirror = mirror
+        self._node_lease = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Join the cluster, then keep leases alive and the mirror current until
+        cancelled; on the way out, revoke this node's sessions so their locks go at
+        once rather than after the session TTL."""
+        await self.calls.until_answered(self._load_token_floor)
+        self._node_lease = await self.calls.until_answered(self._start_heartbeat)
+        await self.calls.until_answered(self._load_mirror)
+        try:
+            async with trio.open_nursery() as nursery:
+                self.calls.nursery = nursery
+                nursery.start_soon(self._watch)
+                nursery.start_soon(self._keep_alive)
+                nursery.start_soon(self._heartbeat)
+                log.info("node %s joined at revision %d", self.node_id, self.mirror.revision)
+                task_status.started()
+        finally:
+            self.calls.nursery = None
+            with trio.move_on_after(SHUTDOWN_GRACE) as cleanup:
+                cleanup.shield = True
+                async with trio.open_nursery() as ends:
+                    ends.start_soon(self.ownership.end_all)
+                    ends.start_soon(self.calls.revoke_quietly, self._node_lease)
+
+    # ------------------------------------------------------------------- join
+
+    async def _load_token_floor(self) -> None:
+        """The first node of a new cluster records the wall clock in nanoseconds as
+        the floor under every token: a cluster rebuilt empty later starts above it."""
+        floor_key = self.layout.token_floor
+        result = await self.client.txn(
+            [compare_create(floor_key, "==", 0)],
+            [put_op(floor_key, b"%d" % time.time_ns())],
+            [range_op(floor_key)],
+        )
+        if result.succeeded:
+            _, kvs, _ = await self.client.get(floor_key)
+        else:
+            kvs = result.kvs(0)
+        self.ledger.token_floor = int(kvs[0].value) if kvs else 0
+
+    async def _start_heartbeat(self) -> int:
+        lease, _ = await self.client.lease_grant(self._heartbeat_ttl())
+        await self.client.put(self.layout.node(self.node_id), b"%d" % os.getpid(), lease)
+        return lease
+
+    async def _load_mirror(self) -> None:
+        queues = self.layout.queues
+        revision, kvs, _ = await self.client.get(queues, prefix_end(queues))
+        self.mirror.load(revision, kvs)
+
+    # ------------------------------------------------------------------ loops
+
+    async def _watch(self) -> None:
+        root = self.layout.root
+        while True:
+            try:
+                # Every node writes its heartbeat under the root every TTL/3, so a
+                # stream quiet for a whole TTL comes from a hung member.
+                async for events in self.client.watch(
+                    root, prefix_end(root), self.mirror.revision + 1, silence=self.session_ttl
+                ):
+                    self.mirror.apply(events)
+            except WatchCompacted:
+                log.warning("watch fell behind etcd's compaction: reloading every queue")
+                while True:
+                    try:
+                        await self._load_mirror()
+                        await self.ownership.recheck_records()
+                        break
+                    except (EtcdUnavailable, EtcdError):
+                        await trio.sleep(0.5)
+
+    async def _keep_alive(self) -> None:
+        """Every TTL/3: one keepalive per live session lease, then the stray sweep."""
+        period = self.session_ttl / 3
+        while True:
+            await trio.sleep(period)
+            now = trio.current_time()
+            for session in list(self.ledger.sessions.values()):
+                if session.lease and not session.lost and now > session.expires_at:
+                    # etcd may have expired the lease: its holds are no longer this
+                    # node's to promise. Fail closed.
+                    self.ownership.lose(session, "etcd was not reached for a whole session TTL")
+            async with trio.open_nursery() as nursery:
+                for session in list(self.ledger.sessions.values()):
+                    if session.lease and not session.lost:
+                        nursery.start_soon(self._keep_session_alive, session)
+            await self._sweep()
+
+    async def _heartbeat(self) -> None:
+        """The node's own lease, renewed in a loop of its own (a slow session
+        keepalive must not let it lapse), and a write of its key: that write is also
+        what keeps every node's watch from falling silent (see :meth:`_watch`)."""
+        ttl = self._heartbeat_ttl()
+        while True:
+            await trio.sleep(ttl / 4)
+            try:
+                if await self.client.lease_keepalive(self._node_lease) == 0:
+                    self._node_lease = await self._start_heartbeat()
+                else:
+                    node_key = self.layout.node(self.node_id)
+                    await self.client.put(node_key, b"%d" % os.getpid(), self._node_lease)
+            except (EtcdUnavailable, EtcdError):
+                self.calls.unavailable("node heartbeat")
+
+    def _heartbeat_ttl(self) -> int:
+        return max(2, self.session_ttl // 2)
+
+    async def _keep_session_alive(self, session: ClusterSession) -> None:
+        lease = session.lease
+        sent = trio.current_time()
+        try:
+            remaining = await self.client.lease_keepalive(lease)
+        except (EtcdUnavailable, EtcdError):
+            self.calls.unavailable("session keepalive")
+            return
+        if session.lease != lease:
+            return
+        if remaining == 0:
+            self.ownership.lose(session, "its etcd lease expired")
+        else:
+            session.expires_at = sent + remaining
+
+    async def _sweep(self) -> None:
+        """Delete entries of this node's sessions that no hold and no running request
+        owns: left by a free that etcd refused, a request cancelled while its txn
+        was in flight, or an answer lost after a commit. Judged on the mirror, and
+        every delete is guarded by the entry's revision and the session record."""
+        for lease, entries in list(self.mirror.by_lease.items()):
+            session = self.ledger.by_lease.get(lease)
+            if session is None or session.lost:
+                continue
+            held = dict(self.ownership.entries(self.ledger.holds(session)))
+            strays = [
+                (key, revision)
+                for key, revision in entries.items()
+                if key not in session.pending and held.get(key) != revision
+            ]
+            if strays:
+                try:
+                    await self.ownership.delete_entries(session, strays)
+                except (EtcdUnavailable, EtcdError, BackendUnavailable):
+                    return  # next round

@@ -1,0 +1,430 @@
+"""The lock recipe: how a request takes and frees locks in etcd's queues.
+
+The counterpart of etcd's ``concurrency/mutex.go``, for exclusive, shared and
+multi-key locks. A request enters every queue it asks for in one transaction,
+bound to its session's lease (:mod:`.ownership`); it holds when the grant rule
+(:mod:`.mirror`) says so at the revision of that transaction, and otherwise waits
+until the node's mirror of the queues reaches a revision where it does. A try
+(``g``, ``lock K`` without a wait) enters only if the queue is empty, in the same
+one transaction. A shared grant with a limit is then marked held in etcd, so that
+every node counts the same holders. Frees are guarded by the entry's revision and
+the session record: only the entry this request created, only while this node
+still owns the session.
+
+It asks :mod:`.ownership` for a session's lease, guard and guarded deletes, and
+writes grants and frees into the node's books (:mod:`.ledger`). It never ends a
+session itself and calls etcd only for a request that waits for the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import trio
+
+from elockd.backend import BackendUnavailable, QueueFull
+from elockd.cluster.etcd_client import (
+    KeyValue,
+    compare_create,
+    delete_op,
+    prefix_end,
+    put_op,
+    range_op,
+    txn_op,
+)
+from elockd.cluster.layout import EXCLUSIVE, SHARED, entry_value, parse_entry_value
+from elockd.cluster.ledger import ClusterHold, ClusterSession
+from elockd.cluster.mirror import (
+    GRANTED,
+    LOST,
+    ClusterWaiter,
+    QueueMirror,
+    granted_kvs,
+    holders_after_handover,
+    may_grant_shared,
+    shared_rule_input,
+)
+from elockd.cluster.ownership import SessionOwnership
+from elockd.sessions import Session
+
+
+class Grant:
+    """The outcome of a request: granted or not, the holders count for shared
+    replies, and for a refused multi-key request the keys others hold."""
+
+    __slots__ = ("blocked", "count", "granted")
+
+    def __init__(self, granted: bool, count: int = 0, blocked: Sequence[bytes] = ()) -> None:
+        self.granted = granted
+        self.count = count
+        self.blocked = list(blocked)
+
+
+class LockRecipe:
+    """Acquire, release and renew, and the reads ``i``/``d``/``info`` make, for the
+    sessions of one :class:`~elockd.cluster.ownership.SessionOwnership`."""
+
+    def __init__(self, ownership: SessionOwnership, mirror: QueueMirror, max_waiters: int) -> None:
+        # Built on session ownership, as etcd's Mutex on its Session.
+        self.ownership = ownership
+        self.calls, self.ledger, self.layout = ownership.calls, ownership.ledger, ownership.layout
+        self.client = ownership.client
+        self.mirror = mirror
+        self.max_waiters = max_waiters
+
+    # ---------------------------------------------------------------- acquire
+
+    async def acquire(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: Sequence[bytes],
+        *,
+        limit: int,
+        ttl: float | None,
+        wait: float,
+    ) -> Grant:
+        """Take ``keys`` all or nothing (several only for exclusive ``mlock``).
+
+        ``limit``: 1 for exclusive, N for shared with a limit, 0 for shared without
+        one. ``wait`` 0 tries once; otherwise the request queues FIFO for at most
+        ``wait`` seconds.
+        """
+        table = session.shared if kind == SHARED else session.exclusive
+        missing = list(dict.fromkeys(k for k in keys if k not in table))
+        now = trio.current_time()
+        for key in keys:
+            own = table.get(key)
+            if own is not None and ttl is not None:
+                assert isinstance(own, ClusterHold)
+                own.ttl = ttl
+                self.ledger.set_lease(own, now + ttl)
+        if not missing:
+            count = await self._holders(keys[0]) if kind == SHARED else 0
+            return Grant(True, count)
+        self.ledger.check_hold_room(session, len(missing))
+        if wait and any(
+            len(q.revisions) >= self.max_waiters
+            for q in (self.mirror.queues.get((kind, k)) for k in missing)
+            if q is not None
+        ):
+            raise QueueFull
+        lease = await self.ownership.ensure_lease(session)
+        entries = [self.layout.entry(kind, k, lease) for k in missing]
+        # From here until the request ends, its entries are not strays, whatever
+        # state the txns leave them in (see the node's sweep); after it, they are.
+        session.pending.update(entries)
+        try:
+            return await self._request(session, kind, missing, entries, limit, ttl, wait)
+        finally:
+            session.pending.difference_update(entries)
+
+    async def _request(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: list[bytes],
+        entries: list[bytes],
+        limit: int,
+        ttl: float | None,
+        wait: float,
+    ) -> Grant:
+        now = trio.current_time()
+        value = entry_value(limit, ttl, session.owner)
+        # Anything of ours created at or before this revision is not this request's:
+        # a stray the sweep may be deleting right now (see the node's sweep).
+        start = self.mirror.revision
+        if kind == EXCLUSIVE and not wait:
+            return await self._try_exclusive(session, keys, entries, value, ttl, start)
+        revision, holds_now, holders = await self._enqueue(
+            session, kind, keys, entries, value, limit, start
+        )
+        if holds_now and kind == SHARED and limit:
+            holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
+        if holds_now:
+            grant = self._granted(session, kind, keys, revision, ttl, now, waited=False)
+            if holders is not None:
+                # This node's mirror may not have reached the grant yet: the reply
+                # counts the holders etcd had at the grant's own revision.
+                grant.count = holders
+            return grant
+        if not wait:
+            await self.ownership.delete_entries(session, [(e, revision) for e in entries])
+            return Grant(False, await self._holders(keys[0]))
+        return await self._wait(session, kind, keys, entries, revision, limit, ttl, wait)
+
+    async def _try_exclusive(
+        self,
+        session: ClusterSession,
+        keys: list[bytes],
+        entries: list[bytes],
+        value: bytes,
+        ttl: float | None,
+        start: int,
+    ) -> Grant:
+        """One txn: if every key's queue is empty, enter them all."""
+        layout, lease = self.layout, session.lease
+        prefixes = [layout.queue_prefix(EXCLUSIVE, k) for k in keys]
+        result = await self.calls.etcd(
+            self.client.txn(
+                [compare_create(p, "==", 0, prefix_end(p)) for p in prefixes],
+                [put_op(e, value, lease) for e in entries],
+                [range_op(p, prefix_end(p), sort_by_create=True, limit=1) for p in prefixes],
+            ),
+            session,
+        )
+        now = trio.current_time()
+        if result.succeeded:
+            return self._granted(session, EXCLUSIVE, keys, result.revision, ttl, now, waited=False)
+        heads = [result.kvs(i)[0] if result.kvs(i) else None for i in range(len(keys))]
+        if all(
+            h is not None and h.key == e and h.create_revision > start
+            for h, e in zip(heads, entries, strict=True)
+        ):
+            # An earlier attempt of this very txn committed before its answer was
+            # lost (the client retried): the entries are ours and at the head.
+            revision = heads[0].create_revision if heads[0] is not None else 0
+            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, waited=False)
+        blocked = [
+            k for k, h, e in zip(keys, heads, entries, strict=True) if h is not None and h.key != e
+        ]
+        return Grant(False, blocked=blocked)
+
+    async def _enqueue(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: list[bytes],
+        entries: list[bytes],
+        value: bytes,
+        limit: int,
+        start: int,
+    ) -> tuple[int, bool, int | None]:
+        """Enter every queue in one txn: (its revision, whether the new entries hold
+        every lock at that revision, and for a shared lock its holders then; None
+        when unknown)."""
+        prefixes = [self.layout.queue_prefix(kind, k) for k in keys]
+        shared = kind == SHARED  # the shared rule needs every entry's limit
+        result = await self.calls.etcd(
+            self.client.txn(
+                [compare_create(e, "==", 0) for e in entries],
+                [put_op(e, value, session.lease) for e in entries]
+                + [
+                    range_op(p, prefix_end(p), count_only=not shared, sort_by_create=shared)
+                    for p in prefixes
+                ],
+                [range_op(e) for e in entries],
+            ),
+            session,
+        )
+        if result.succeeded:
+            revision = result.revision
+            if not shared:
+                # Exclusive: ours holds when it is the only entry of every queue.
+                counts = [result.count(len(entries) + i) for i in range(len(keys))]
+                return revision, all(c == 1 for c in counts), None
+            queue = result.kvs(len(entries))
+            holding = len(granted_kvs(queue))  # ours included when it has no limit
+            if limit == 0:
+                return revision, True, holding
+            granted = may_grant_shared(shared_rule_input(queue), revision, limit)
+            return revision, granted, holding + 1
+        found = [result.kvs(i) for i in range(len(entries))]
+        revisions = {kvs[0].create_revision for kvs in found if kvs}
+        if all(found) and len(revisions) == 1 and revisions.pop() > start:
+            # A retried txn whose first attempt committed: use that revision, and
+            # let the mirror judge it (the wait path, or a refusal for a try).
+            return found[0][0].create_revision, False, None
+        raise BackendUnavailable("an entry of this session is already queued")
+
+    async def _wait(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: list[bytes],
+        entries: list[bytes],
+        revision: int,
+        limit: int,
+        ttl: float | None,
+        wait: float,
+    ) -> Grant:
+        ledger = self.ledger
+        waiter = ClusterWaiter([(kind, k) for k in keys], limit)
+        waiter.revision = revision
+        woken = trio.Event()
+        waiter.wake = woken.set
+        since = trio.current_time()
+        ledger.local_waiting += 1
+        self.mirror.add_waiter(waiter)
+        try:
+            with trio.move_on_after(wait):
+                await woken.wait()
+        finally:
+            ledger.local_waiting -= 1
+            self.mirror.remove_waiter(waiter)
+            now = trio.current_time()
+            if ledger.on_wait_end is not None:
+                ledger.on_wait_end(kind == SHARED, now - since)
+            if waiter.state != GRANTED:
+                # Timed out, lost, or the peer left: take our entries out of the
+                # queues (also when this task is being cancelled). If etcd cannot
+                # be reached now, the stray sweep deletes them later.
+                with trio.move_on_after(self.client.deadline + 1) as scope:
+                    scope.shield = True
+                    with contextlib.suppress(BackendUnavailable):
+                        await self.ownership.delete_entries(
+                            session, [(e, revision) for e in entries]
+                        )
+        if waiter.state == GRANTED and kind == SHARED:
+            with trio.CancelScope(shield=True):  # an unmarked grant would block the queue
+                marked = await self._mark_held(entries[0], revision, limit, ttl, session)
+            if not marked:
+                waiter.state = LOST
+        if waiter.state == GRANTED:
+            return self._granted(session, kind, keys, revision, ttl, now, waited=True)
+        ledger.timeouts += 1
+        if kind == SHARED:
+            return Grant(False, await self._holders(keys[0]))
+        return Grant(False, blocked=[k for k in keys if self._held_by_other(session, k)])
+
+    def _held_by_other(self, session: ClusterSession, key: bytes) -> bool:
+        queue = self.mirror.queues.get((EXCLUSIVE, key))
+        if queue is None or not queue.revisions:
+            return False
+        return queue.entries[queue.revisions[0]].lease != session.lease
+
+    def _granted(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        keys: list[bytes],
+        revision: int,
+        ttl: float | None,
+        now: float,
+        *,
+        waited: bool,
+    ) -> Grant:
+        for key in keys:
+            hold = self.ledger.record_hold(session, kind, key, revision, now)
+            if ttl is not None:
+                hold.ttl = ttl
+                self.ledger.set_lease(hold, now + ttl)
+        if kind == SHARED:
+            # Ours counts even where the mirror has not seen its mark yet.
+            queue = self.mirror.queues.get((SHARED, keys[0]))
+            others = [e for e in queue.granted() if e.revision != revision] if queue else []
+            return Grant(True, len(others) + 1)
+        return Grant(True)
+
+    async def _mark_held(
+        self, entry: bytes, revision: int, limit: int, ttl: float | None, session: ClusterSession
+    ) -> bool:
+        """Record in etcd that a shared entry with a limit now holds (see
+        :mod:`.mirror`): False when the entry is gone (the session was lost)."""
+        value = entry_value(limit, ttl, session.owner, held=True)
+        result = await self.calls.etcd(
+            self.client.txn(
+                [compare_create(entry, "==", revision)], [put_op(entry, value, session.lease)]
+            )
+        )
+        return result.succeeded
+
+    # ---------------------------------------------------------------- release
+
+    async def release(self, session: ClusterSession, kind: bytes, key: bytes) -> Grant:
+        """Free this session's hold: (was it held, holders left for shared). A hold
+        whose entry is already gone (a retried delete that committed the first
+        time, or a lost session) counts as released: the lock is free of it."""
+        table = session.shared if kind == SHARED else session.exclusive
+        hold = table.get(key)
+        if hold is None:
+            return Grant(False)
+        assert isinstance(hold, ClusterHold)
+        entry = self.ownership.entry_key(hold)
+        prefix = self.layout.queue_prefix(kind, key)
+        read_queue = range_op(prefix, prefix_end(prefix), sort_by_create=True)
+        # Let go here first: if etcd does not answer, the stray sweep frees the entry
+        # once it does (the client was asked to release, not to keep holding).
+        self.ledger.drop(hold, trio.current_time())
+        result = await self.calls.etcd(
+            self.client.txn(
+                [self.ownership.record_guard(session)],
+                [
+                    txn_op([compare_create(entry, "==", hold.revision)], [delete_op(entry)]),
+                    read_queue,
+                ],
+                [read_queue],
+            ),
+            session,
+        )
+        if not result.succeeded:
+            # Another node took the session over (its watch event follows); what is
+            # left, if anything, is the stray sweep's.
+            return Grant(False)
+        queue = result.kvs(1)
+        return Grant(True, holders_after_handover(queue) if kind == SHARED else 0)
+
+    async def release_all(self, session: ClusterSession) -> None:
+        """Free every hold; if etcd refuses, the holds are gone here anyway and the
+        stray sweep frees their entries once etcd answers."""
+        holds = self.ledger.holds(session)
+        entries = self.ownership.entries(holds)
+        now = trio.current_time()
+        for hold in holds:
+            self.ledger.drop(hold, now)
+        await self.ownership.delete_entries(session, entries)
+
+    def renew(self, session: Session, key: bytes, ttl: float) -> bool:
+        hold = session.exclusive.get(key) or session.shared.get(key)
+        if hold is None:
+            return False
+        assert isinstance(hold, ClusterHold)
+        hold.ttl = ttl
+        self.ledger.set_lease(hold, trio.current_time() + ttl)
+        return True
+
+    # ------------------------------------------------------------------ reads
+
+    async def queue(self, kind: bytes, key: bytes | None) -> list[tuple[bytes, list[KeyValue]]]:
+        """A linearizable read of one queue (or every queue of a table), oldest first."""
+        prefix = self.layout.queues + kind + b"/"
+        if key is not None:
+            prefix = self.layout.queue_prefix(kind, key)
+        _, kvs, _ = await self.calls.etcd(
+            self.client.get(prefix, prefix_end(prefix), sort_by_create=True)
+        )
+        queues: dict[bytes, list[KeyValue]] = {}
+        for kv in kvs:
+            name = self.layout.parse_entry(kv.key)
+            if name is not None:
+                queues.setdefault(name.key, []).append(kv)
+        return sorted(queues.items())
+
+    async def _holders(self, key: bytes) -> int:
+        queues = await self.queue(SHARED, key)
+        return len(granted_kvs(queues[0][1])) if queues else 0
+
+    async def holders(self, kind: bytes, key: bytes | None) -> Iterator[tuple[bytes, bytes]]:
+        """(lock name, owner) of every hold in a table, or of one key: read from a
+        snapshot of the queues as the caller goes (a dump streams; each key's holders
+        are as they are when its turn comes)."""
+        queues = await self.queue(kind, key)
+
+        def pairs() -> Iterator[tuple[bytes, bytes]]:
+            for name, kvs in queues:
+                held = list(granted_kvs(kvs)) if kind == SHARED else kvs[:1]
+                for kv in held:
+                    yield name, parse_entry_value(kv.value).owner
+
+        return pairs()
+
+    async def describe(self, key: bytes) -> tuple[KeyValue | None, int, int]:
+        """``info``: the exclusive head entry, shared holders, requests waiting."""
+        exclusive = await self.queue(EXCLUSIVE, key)
+        shared = await self.queue(SHARED, key)
+        head = exclusive[0][1][0] if exclusive else None
+        waiting_exclusive = len(exclusive[0][1]) - 1 if exclusive else 0
+        holders = len(granted_kvs(shared[0][1])) if shared else 0
+        waiting_shared = len(shared[0][1]) - holders if shared else 0
+        return head, holders, waiting_exclusive + waiting_shared
