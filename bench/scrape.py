@@ -30,8 +30,9 @@ from prometheus_client import generate_latest
 from elockd.cluster.etcd_client import KeyValue
 from elockd.cluster.layout import EXCLUSIVE, SHARED, entry_value
 from elockd.cluster.space import ClusterLockSpace
+from elockd.commands import COMMANDS
 from elockd.config import Config
-from elockd.locks import LockEngine
+from elockd.memory import MemoryBackend
 from elockd.metrics import make_registry
 from elockd.protocol import Service
 
@@ -50,7 +51,7 @@ def render_ms(service: Service, repeat: int = 20) -> float:
 
 
 def memory_service(locks: int) -> Service:
-    engine = LockEngine(max_holds=locks)
+    engine = MemoryBackend(max_holds=locks)
     sessions = [engine.open_session(f"s{i}", b"10.0.0.1:%d" % i) for i in range(100)]
     for index in range(locks):
         session = sessions[index % 100]
@@ -58,7 +59,7 @@ def memory_service(locks: int) -> Service:
             engine.acquire_shared(session, b"k%d" % index, 0.0)
         else:
             engine.acquire(session, b"k%d" % index, 0.0)
-    return Service(Config(), engine)
+    return Service(Config(), engine, COMMANDS)
 
 
 def cluster_service(locks: int) -> Service:
@@ -75,7 +76,7 @@ def cluster_service(locks: int) -> Service:
             KeyValue(layout.entry(kind, key, lease), entry_value(0, None, b"o"), index + 2, 0, 0)
         )
     space.mirror.load(locks + 2, kvs)
-    return Service(Config(), LockEngine(), backend=space)
+    return Service(Config(), space, COMMANDS)
 
 
 def render_rows(locks: int = LOCKS) -> dict[str, float]:

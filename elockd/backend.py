@@ -30,6 +30,12 @@ from elockd.sessions import WAITING, Hold, Session, Waiter
 T = TypeVar("T")
 
 
+#: Why a session's plain holds were freed, as ``on_session_end`` hears it.
+ENDED_DISCONNECTED = "disconnected"
+ENDED_GRACE_EXPIRED = "grace expired"
+ENDED_SESSION_LIMIT = "session limit"
+
+
 class TooManyHolds(Exception):
     """The session already has ``--max-holds`` holds; a new one would pass the limit."""
 

@@ -52,7 +52,14 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 
-from elockd.backend import Bookkeeping, QueueFull, TooManyHolds
+from elockd.backend import (
+    ENDED_DISCONNECTED,
+    ENDED_GRACE_EXPIRED,
+    ENDED_SESSION_LIMIT,
+    Bookkeeping,
+    QueueFull,
+    TooManyHolds,
+)
 from elockd.sessions import CANCELLED, GRANTED, WAITING, Hold, Session, Waiter
 
 # Re-exported: the engine's callers (and its tests) name them through this module.
@@ -76,11 +83,6 @@ __all__ = [
 #: million locks dropping at once). About a millisecond of work; a single session
 #: is never split, so one slice frees at most this plus ``max_holds``.
 FREE_SLICE = 2000
-
-#: Why a session's plain holds were freed, as :attr:`LockEngine.on_session_end` hears it.
-ENDED_DISCONNECTED = "disconnected"
-ENDED_GRACE_EXPIRED = "grace expired"
-ENDED_SESSION_LIMIT = "session limit"
 
 
 Queue = OrderedDict[Waiter, None]

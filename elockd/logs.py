@@ -31,8 +31,8 @@ from urllib.parse import urlsplit, urlunsplit
 import structlog
 
 from elockd import __version__
+from elockd.backend import ENDED_SESSION_LIMIT
 from elockd.config import Config
-from elockd.locks import ENDED_SESSION_LIMIT
 from elockd.logthrottle import LogThrottle
 from elockd.sessions import Session
 

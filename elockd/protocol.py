@@ -33,6 +33,7 @@ from elockd.backend import Backend, BackendUnavailable, Later, QueueFull, Result
 from elockd.config import Config
 from elockd.logs import log_refusal
 from elockd.replies import STYLES, TerseReplies
+from elockd.sessions import Session
 from elockd.stats import Counters, Timings, snapshot
 
 T = TypeVar("T")
@@ -337,6 +338,16 @@ class Connection:
             return b"400 Bad Request: %s\r\n" % str(error).encode()
         except REFUSALS as error:
             return command.family.refusal(error, self.peer)
+
+    def set_abort(self, abort: Callable[[], None]) -> None:
+        """How the backend may end this connection (its session was lost)."""
+        self.abort = abort
+        self.session.abort = abort
+
+    def adopt(self, session: Session) -> None:
+        """``conn_id``: this connection now serves ``session``."""
+        session.abort = self.abort
+        self.session = session
 
     def check_token(self, token: bytes) -> bool:
         """``auth TOKEN``: constant-time comparison, so timing leaks nothing."""

@@ -83,7 +83,7 @@ async def serve_connection(service: Service, transport: Transport, peer: bytes) 
     try:
         # The backend may end the connection (its session was lost) through abort.
         with trio.CancelScope() as ended:
-            conn.abort = ended.cancel
+            conn.set_abort(ended.cancel)
             await _serve_requests(conn, reader, transport, idle_timeout)
     except trio.BrokenResourceError:
         pass  # the peer is gone; nothing to tell it

@@ -48,6 +48,7 @@ class Session:
     """
 
     __slots__ = (
+        "abort",
         "connected",
         "ending",
         "exclusive",
@@ -75,6 +76,9 @@ class Session:
         self.shared: dict[bytes, Hold] = {}
         self.waiters: set[Waiter] = set()
         self.leases = 0
+        # Ends its connection (set by the server while it has one): a backend that
+        # loses the session (a cluster node whose etcd lease ran out) calls it.
+        self.abort: Callable[[], None] | None = None
 
     @property
     def owner(self) -> bytes:

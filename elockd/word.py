@@ -65,7 +65,7 @@ def cmd_conn_id(conn: Connection, args: Args, now: float) -> Reply:
     def moved(session: Session | None) -> bytes:
         if session is None:
             return CONN_ID_REFUSED
-        conn.session = session
+        conn.adopt(session)
         return b"200 conn id set\r\n"
 
     return answer(conn.backend.take_over(wanted, conn.session), moved, WORD, conn.peer)

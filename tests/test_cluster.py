@@ -167,7 +167,7 @@ async def test_multi_key_waiter_is_served_before_a_later_single_key_waiter(nodes
         assert await second.line() == b"200 Acquired\r\n"
         assert await nothing_arrives(third, 0.15)
         token_x, token_y = await token_of(second, b"x"), await token_of(second, b"y")
-        assert token_x == token_y
+        assert token_y == token_x + 1  # one request: its keys ranked in byte order
         assert await second.request(b"unlock_all") == b"200 OK"
         assert await third.line() == b"200 Acquired\r\n"
         assert await token_of(third, b"y") > token_y
@@ -189,9 +189,11 @@ async def test_multi_key_waiters_never_deadlock(nodes: Nodes) -> None:
             for key in keys:
                 assert key not in holders, f"{key!r} granted to {index} and {holders[key]}"
                 holders[key] = index
-            token = await token_of(client, keys[0])
-            for key in keys:
-                assert await token_of(client, key) == token
+            mine = {key: await token_of(client, key) for key in keys}
+            # One request, one revision: its keys' tokens follow each other.
+            first = min(mine.values())
+            assert [mine[key] for key in sorted(keys)] == list(range(first, first + len(keys)))
+            for key, token in mine.items():
                 tokens[key].append(token)
             for key in keys:
                 del holders[key]
@@ -249,14 +251,14 @@ async def test_try_mlock_is_all_or_nothing(nodes: Nodes) -> None:
                 b"200 key=%s exclusive=- shared=0 waiting=0 ttl=- token=-" % key
             )
         assert await other.request(b"token a") == b"403 Not Locked"
-        # Free keys: all granted, one token for all of them.
+        # Free keys: all granted, each with a token of its own.
         assert await other.request(b"mlock d e f") == b"200 Acquired"
-        tokens = {await token_of(other, key) for key in (b"d", b"e", b"f")}
-        assert len(tokens) == 1
+        tokens = [await token_of(other, key) for key in (b"d", b"e", b"f")]
+        assert tokens == sorted(set(tokens))
         assert await holder.request(b"unlock b") == b"200 Unlocked"
         assert await other.request(b"mlock a b c") == b"200 Acquired"
-        tokens = {await token_of(other, key) for key in (b"a", b"b", b"c")}
-        assert len(tokens) == 1
+        tokens = [await token_of(other, key) for key in (b"a", b"b", b"c")]
+        assert tokens == sorted(set(tokens))
         await observer.send(b"d\n")
         assert sorted(await observer.lines_until_end()) == [
             b"END\r\n",
@@ -338,7 +340,7 @@ async def test_tokens_start_above_the_recorded_floor(nodes: Nodes, etcd: EtcdClu
                 await client.aclose()
             floors.append(int(kvs[0].value))
         # The floors are wall-clock readings (ns), and each token is its floor plus
-        # an etcd revision.
+        # an etcd revision times 64 (plus the key's rank in an mlock).
         assert floors[0] < floors[1]
         assert abs(floors[1] / 1e9 - time.time()) < 60
         assert floors[0] < old_token < floors[0] + 10**9

@@ -78,11 +78,18 @@ class Layout:
         return self.nodes + node_id.encode()
 
 
-def entry_value(limit: int, ttl: float | None, owner: bytes, *, held: bool = False) -> bytes:
+def entry_value(
+    limit: int, ttl: float | None, owner: bytes, *, held: bool = False, rank: int = 0
+) -> bytes:
     """An entry's value: ``h`` once a shared entry with a limit holds (``w`` before),
-    the request's holder limit (0: none), its lease in seconds (0: none) and the
-    owner ``d`` shows. The owner goes last: it may hold blanks."""
-    return b"%s %d %r %s" % (b"h" if held else b"w", limit, ttl or 0.0, owner)
+    with ``:RANK`` when the entry is not the first key of its request (an ``mlock``
+    ranks its keys in byte order, for their fencing tokens), the request's holder
+    limit (0: none), its lease in seconds (0: none) and the owner ``d`` shows. The
+    owner goes last: it may hold blanks."""
+    flag = b"h" if held else b"w"
+    if rank:
+        flag += b":%d" % rank
+    return b"%s %d %r %s" % (flag, limit, ttl or 0.0, owner)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,18 +98,21 @@ class EntryValue:
     limit: int
     ttl: float | None
     owner: bytes
+    rank: int = 0
 
 
 def parse_entry_value(value: bytes) -> EntryValue:
     """The parts of an entry value. A malformed one reads as a held exclusive entry
     with no owner: it then blocks others (safe), never lets them through."""
     parts = value.split(b" ", 3)
+    flag, _, rank = parts[0].partition(b":")
     try:
-        held, limit, ttl = parts[0] == b"h", int(parts[1]), float(parts[2])
+        held, limit, ttl = flag == b"h", int(parts[1]), float(parts[2])
+        order = int(rank) if rank else 0
     except (ValueError, IndexError):
         return EntryValue(True, 1, None, b"?")
     owner = parts[3] if len(parts) > 3 else b""
-    return EntryValue(held, limit, ttl if ttl > 0 else None, owner)
+    return EntryValue(held, limit, ttl if ttl > 0 else None, owner, order)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,21 +7,22 @@ three read and change them. They are what ``q`` and /metrics read, what the
 ``on_*`` hooks report from, and the part that is closest to the in-memory engine's
 own bookkeeping (:mod:`elockd.locks`).
 
-A hold's fencing token is its entry's create revision plus the cluster's token
-floor (``<prefix>meta/token_floor``, which :mod:`.node` loads at join): tokens then
-increase across keys, nodes and rebuilt clusters.
+A hold's fencing token comes from its entry's create revision, its key's rank in
+its request, and the cluster's token floor (``<prefix>meta/token_floor``, which
+:mod:`.node` loads at join): tokens then increase across keys, nodes and rebuilt
+clusters, and the keys of one ``mlock`` get tokens of their own
+(:func:`fencing_token`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import trio
 
-from elockd.backend import TooManyHolds
+from elockd.backend import Bookkeeping
 from elockd.cluster.layout import SHARED
-from elockd.deadlines import Deadlines
 from elockd.sessions import Hold, Session
 
 
@@ -31,9 +32,9 @@ class ClusterHold(Hold):
     __slots__ = ("revision", "ttl")
 
     def __init__(
-        self, session: Session, key: bytes, shared: bool, revision: int, floor: int, now: float
+        self, session: Session, key: bytes, shared: bool, revision: int, token: int, now: float
     ) -> None:
-        super().__init__(session, key, shared, floor + revision, now)
+        super().__init__(session, key, shared, token, now)
         self.revision = revision
         self.ttl: float | None = None
 
@@ -42,7 +43,6 @@ class ClusterSession(Session):
     """A session of this node, with the etcd lease its entries are bound to."""
 
     __slots__ = (
-        "abort",
         "expires_at",
         "lease",
         "lost",
@@ -60,29 +60,30 @@ class ClusterSession(Session):
         self.record_revision = 0  # mod revision of our last write of its record
         self.record_lock = trio.Lock()
         self.lost = False
-        self.abort: Callable[[], None] | None = None  # ends its connection
 
 
-class Ledger:
-    """This node's sessions (by id and by etcd lease), the holds they have, the heap
-    of lease and grace ends, and the counters and hooks the server reads."""
+#: Fencing tokens: the entry's create revision times this, plus the key's rank among
+#: its request's keys (an ``mlock`` enters up to --max-keys, at most 64 on a cluster,
+#: in one revision), plus the floor: every exclusive grant gets a token of its own.
+TOKENS_PER_REVISION = 64
 
-    def __init__(self, max_holds: int) -> None:
-        self.max_holds = max_holds
+
+def fencing_token(floor: int, revision: int, rank: int) -> int:
+    """The token of the hold at ``revision`` whose key is the ``rank``-th (in byte
+    order) of its request's keys: the same on every node, also after a takeover."""
+    return floor + revision * TOKENS_PER_REVISION + rank
+
+
+class Ledger(Bookkeeping):
+    """This node's sessions (by id and by etcd lease), the holds they have, and what
+    every backend keeps (:class:`~elockd.backend.Bookkeeping`: counters, hooks, the
+    heap of lease and grace ends)."""
+
+    def __init__(self, max_holds: int, max_waiters: int = 10_000) -> None:
+        super().__init__(max_holds=max_holds, max_waiters=max_waiters)
         self.token_floor = 0
         self.sessions: dict[str, ClusterSession] = {}
         self.by_lease: dict[int, ClusterSession] = {}
-        self.deadlines: Deadlines[ClusterHold | ClusterSession] = Deadlines(_carries)
-        self.on_new_deadline: Callable[[], None] | None = None
-        self.on_hold_end: Callable[[bool, float], None] | None = None
-        self.on_holds_end: Callable[[bool, list[float]], None] | None = None
-        self.on_wait_end: Callable[[bool, float], None] | None = None
-        self.orphans = 0
-        self.shared_orphans = 0
-        self.expired = 0
-        self.timeouts = 0
-        self.leases = 0
-        self.sessions_in_grace = 0
         self.sessions_lost = 0
         self.local_waiting = 0
 
@@ -111,10 +112,19 @@ class Ledger:
         return holds
 
     def record_hold(
-        self, session: ClusterSession, kind: bytes, key: bytes, revision: int, now: float
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        key: bytes,
+        revision: int,
+        now: float,
+        rank: int = 0,
     ) -> ClusterHold:
+        """A hold this node now keeps for ``session``; ``rank`` is its key's place
+        among its request's keys (see :func:`fencing_token`)."""
         shared = kind == SHARED
-        hold = ClusterHold(session, key, shared, revision, self.token_floor, now)
+        token = fencing_token(self.token_floor, revision, rank)
+        hold = ClusterHold(session, key, shared, revision, token, now)
         (session.shared if shared else session.exclusive)[key] = hold
         return hold
 
@@ -123,44 +133,19 @@ class Ledger:
         table = hold.session.shared if hold.shared else hold.session.exclusive
         if table.get(hold.key) is hold:
             del table[hold.key]
-        if hold.lease_deadline is not None:
-            hold.lease_deadline = None
-            self.leases -= 1
+        self.end_lease(hold)
 
     def drop(self, hold: ClusterHold, now: float) -> None:
-        self.untrack(hold)
-        if self.on_hold_end is not None:
-            self.on_hold_end(hold.shared, now - hold.granted_at)
-
-    def check_hold_room(self, session: Session, new: int) -> None:
-        if len(session.exclusive) + len(session.shared) + new > self.max_holds:
-            raise TooManyHolds
+        """Forget a hold that ended (released, orphaned, expired): it counts."""
+        table = hold.session.shared if hold.shared else hold.session.exclusive
+        if table.get(hold.key) is hold:
+            del table[hold.key]
+        self.hold_ended(hold, now)
 
     # ----------------------------------------------------------------- timers
 
-    def set_lease(self, hold: ClusterHold, deadline: float) -> None:
-        if hold.lease_deadline == deadline:
-            return  # its entry is in the heap already (renews pipelined in one tick)
-        if hold.lease_deadline is None:
-            self.leases += 1
-        hold.lease_deadline = deadline
-        self.schedule(deadline, hold)
-
-    def schedule(self, deadline: float, target: ClusterHold | ClusterSession) -> None:
-        if self.deadlines.add(deadline, target) and self.on_new_deadline is not None:
-            self.on_new_deadline()
-
-    def next_deadline(self) -> float | None:
-        return self.deadlines.next()
-
     def due(self, now: float) -> Iterator[ClusterHold | ClusterSession]:
         """Every lease end (a hold) and grace end (a session) due by ``now``."""
-        for _, target in self.deadlines.due(now):
+        for _, target in self._deadlines.due(now):
+            assert isinstance(target, ClusterHold | ClusterSession)
             yield target
-
-
-def _carries(deadline: float, target: ClusterHold | ClusterSession) -> bool:
-    """Whether a deadline-heap entry is current (its lease or grace still ends then)."""
-    if isinstance(target, ClusterSession):
-        return target.grace_deadline == deadline and not target.connected
-    return target.lease_deadline == deadline

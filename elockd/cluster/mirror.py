@@ -43,7 +43,7 @@ CANCELLED = 3
 class Entry:
     """One queue entry as the mirror knows it."""
 
-    __slots__ = ("etcd_key", "held", "lease", "limit", "owner", "revision", "ttl")
+    __slots__ = ("etcd_key", "held", "lease", "limit", "owner", "rank", "revision", "ttl")
 
     def __init__(self, etcd_key: bytes, revision: int, lease: int, value: EntryValue) -> None:
         self.etcd_key = etcd_key
@@ -53,6 +53,7 @@ class Entry:
         self.held = value.held
         self.ttl = value.ttl
         self.owner = value.owner
+        self.rank = value.rank
 
     @property
     def holds_shared(self) -> bool:
@@ -275,6 +276,14 @@ class QueueMirror:
                 self.shared_queues -= 1
             else:
                 self.exclusive_queues -= 1
+
+    def entry(self, etcd_key: bytes) -> Entry | None:
+        """The entry at ``etcd_key`` as of :attr:`revision`, or None."""
+        where = self._located.get(etcd_key)
+        if where is None:
+            return None
+        queue_id, revision = where
+        return self.queues[queue_id].entries.get(revision)
 
     def _unindex(self, etcd_key: bytes) -> None:
         name = self.layout.parse_entry(etcd_key)

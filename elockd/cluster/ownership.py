@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from elockd.backend import BackendUnavailable
+from elockd.backend import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED, BackendUnavailable
 from elockd.cluster.calls import EtcdCalls
 from elockd.cluster.etcd_client import (
     EtcdError,
@@ -183,10 +183,7 @@ class SessionOwnership:
         session.connected = False
         session.abort = None
         if session.grace > 0 and session.lease and not session.lost:
-            if session.grace_deadline is None:
-                self.ledger.sessions_in_grace += 1
-            session.grace_deadline = now + session.grace
-            self.ledger.schedule(session.grace_deadline, session)
+            self.ledger.start_grace(session, now)
             self.calls.spawn(lambda: self.write_record(session), "session record")
         else:
             self._end_grace(session, now)
@@ -203,16 +200,16 @@ class SessionOwnership:
 
     def _end_grace(self, session: ClusterSession, now: float) -> None:
         ledger = self.ledger
-        if session.grace_deadline is not None:
-            ledger.sessions_in_grace -= 1
-        session.grace_deadline = None
+        why = ENDED_DISCONNECTED if session.grace_deadline is None else ENDED_GRACE_EXPIRED
+        ledger.stop_grace(session)
         plain = [h for h in ledger.holds(session) if h.lease_deadline is None]
+        shared = sum(hold.shared for hold in plain)
+        ledger.shared_orphans += shared
+        ledger.orphans += len(plain) - shared
         for hold in plain:
-            if hold.shared:
-                ledger.shared_orphans += 1
-            else:
-                ledger.orphans += 1
             ledger.drop(hold, now)
+        if plain and ledger.on_session_end is not None:
+            ledger.on_session_end(session, len(plain) - shared, shared, why)
         if session.lease and not session.lost and not session.is_empty():
             # Leases live on: free only the plain holds, keep the session for conn_id.
             entries = self.entries(plain)
@@ -285,9 +282,7 @@ class SessionOwnership:
             return
         session.lost = True  # for this node: nothing more may be done with it
         log.warning("session %s taken over elsewhere (%s)", session.id[:8], why)
-        if session.grace_deadline is not None:
-            self.ledger.sessions_in_grace -= 1
-            session.grace_deadline = None
+        self.ledger.stop_grace(session)
         for hold in self.ledger.holds(session):
             self.ledger.untrack(hold)
         if session.abort is not None:
@@ -431,13 +426,7 @@ class SessionOwnership:
         return session
 
     def _adopt_local(self, target: ClusterSession, current: ClusterSession) -> None:
-        target.connected = True
-        if target.grace_deadline is not None:
-            self.ledger.sessions_in_grace -= 1
-        target.grace_deadline = None
-        target.peer = current.peer
-        if current.name is not None:
-            target.name = current.name
+        self.ledger.adopt(target, current)
         self._forget_empty(current)
 
     def _forget_empty(self, session: ClusterSession) -> None:
@@ -476,8 +465,9 @@ class SessionOwnership:
             for key, kv in entries:
                 name = self.layout.parse_entry(kv.key)
                 assert name is not None
-                hold = self.ledger.record_hold(session, name.kind, key, revision, now)
-                ttl = parse_entry_value(kv.value).ttl
+                value = parse_entry_value(kv.value)  # its rank keeps its token the same
+                hold = self.ledger.record_hold(session, name.kind, key, revision, now, value.rank)
+                ttl = value.ttl
                 if ttl is not None:
                     hold.ttl = ttl
                     self.ledger.set_lease(hold, now + ttl)

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 
 import trio
 
-from elockd.backend import BackendUnavailable, QueueFull
+from elockd.backend import BackendUnavailable, Grant, QueueFull
 from elockd.cluster.etcd_client import (
     KeyValue,
     compare_create,
@@ -48,17 +48,8 @@ from elockd.cluster.mirror import (
 from elockd.cluster.ownership import SessionOwnership
 from elockd.sessions import Session
 
-
-class Grant:
-    """The outcome of a request: granted or not, the holders count for shared
-    replies, and for a refused multi-key request the keys others hold."""
-
-    __slots__ = ("blocked", "count", "granted")
-
-    def __init__(self, granted: bool, count: int = 0, blocked: Sequence[bytes] = ()) -> None:
-        self.granted = granted
-        self.count = count
-        self.blocked = list(blocked)
+#: Guarded puts per txn: etcd's default --max-txn-ops is 128.
+PUTS_PER_TXN = 64
 
 
 class LockRecipe:
@@ -104,11 +95,7 @@ class LockRecipe:
             count = await self._holders(keys[0]) if kind == SHARED else 0
             return Grant(True, count)
         self.ledger.check_hold_room(session, len(missing))
-        if wait and any(
-            len(q.revisions) >= self.max_waiters
-            for q in (self.mirror.queues.get((kind, k)) for k in missing)
-            if q is not None
-        ):
+        if wait and any(self._waiting(kind, key) >= self.max_waiters for key in missing):
             raise QueueFull
         lease = await self.ownership.ensure_lease(session)
         entries = [self.layout.entry(kind, k, lease) for k in missing]
@@ -119,6 +106,14 @@ class LockRecipe:
             return await self._request(session, kind, missing, entries, limit, ttl, wait)
         finally:
             session.pending.difference_update(entries)
+
+    def _waiting(self, kind: bytes, key: bytes) -> int:
+        """Requests waiting for ``key`` now (``--max-waiters`` counts these, cluster
+        wide): every entry of its queue but those that hold."""
+        queue = self.mirror.queues.get((kind, key))
+        if queue is None:
+            return 0
+        return queue.waiting() if kind == SHARED else len(queue.revisions) - 1
 
     async def _request(
         self,
@@ -131,14 +126,15 @@ class LockRecipe:
         wait: float,
     ) -> Grant:
         now = trio.current_time()
-        value = entry_value(limit, ttl, session.owner)
+        ranks = _ranks(keys)
+        values = [entry_value(limit, ttl, session.owner, rank=ranks[k]) for k in keys]
         # Anything of ours created at or before this revision is not this request's:
         # a stray the sweep may be deleting right now (see the node's sweep).
         start = self.mirror.revision
         if kind == EXCLUSIVE and not wait:
-            return await self._try_exclusive(session, keys, entries, value, ttl, start)
+            return await self._try_exclusive(session, keys, entries, values, ttl, start)
         revision, holds_now, holders = await self._enqueue(
-            session, kind, keys, entries, value, limit, start
+            session, kind, keys, entries, values, limit, start
         )
         if holds_now and kind == SHARED and limit:
             holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
@@ -159,7 +155,7 @@ class LockRecipe:
         session: ClusterSession,
         keys: list[bytes],
         entries: list[bytes],
-        value: bytes,
+        values: list[bytes],
         ttl: float | None,
         start: int,
     ) -> Grant:
@@ -169,7 +165,7 @@ class LockRecipe:
         result = await self.calls.etcd(
             self.client.txn(
                 [compare_create(p, "==", 0, prefix_end(p)) for p in prefixes],
-                [put_op(e, value, lease) for e in entries],
+                [put_op(e, v, lease) for e, v in zip(entries, values, strict=True)],
                 [range_op(p, prefix_end(p), sort_by_create=True, limit=1) for p in prefixes],
             ),
             session,
@@ -197,7 +193,7 @@ class LockRecipe:
         kind: bytes,
         keys: list[bytes],
         entries: list[bytes],
-        value: bytes,
+        values: list[bytes],
         limit: int,
         start: int,
     ) -> tuple[int, bool, int | None]:
@@ -209,7 +205,7 @@ class LockRecipe:
         result = await self.calls.etcd(
             self.client.txn(
                 [compare_create(e, "==", 0) for e in entries],
-                [put_op(e, value, session.lease) for e in entries]
+                [put_op(e, v, session.lease) for e, v in zip(entries, values, strict=True)]
                 + [
                     range_op(p, prefix_end(p), count_only=not shared, sort_by_create=shared)
                     for p in prefixes
@@ -305,8 +301,9 @@ class LockRecipe:
         *,
         waited: bool,
     ) -> Grant:
+        ranks = _ranks(keys)
         for key in keys:
-            hold = self.ledger.record_hold(session, kind, key, revision, now)
+            hold = self.ledger.record_hold(session, kind, key, revision, now, ranks[key])
             if ttl is not None:
                 hold.ttl = ttl
                 self.ledger.set_lease(hold, now + ttl)
@@ -384,6 +381,29 @@ class LockRecipe:
         self.ledger.set_lease(hold, trio.current_time() + ttl)
         return True
 
+    async def rename(self, session: ClusterSession, name: bytes | None) -> None:
+        """``iam``: the session's name, shown for its holds by ``d``, ``sd`` and
+        ``info`` on every node. Each entry of the session carries its owner, so they
+        are written again with the new one (each guarded by its create revision, so
+        a freed one stays freed); a session that holds nothing writes nothing."""
+        session.name = name
+        entries = self.mirror.by_lease.get(session.lease, {}) if session.lease else {}
+        puts = []
+        for etcd_key, revision in entries.items():
+            entry = self.mirror.entry(etcd_key)
+            if entry is None:
+                continue
+            value = entry_value(
+                entry.limit, entry.ttl, session.owner, held=entry.held, rank=entry.rank
+            )
+            put = put_op(etcd_key, value, session.lease)
+            puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))
+        for start in range(0, len(puts), PUTS_PER_TXN):
+            batch = puts[start : start + PUTS_PER_TXN]
+            await self.calls.etcd(
+                self.client.txn([self.ownership.record_guard(session)], batch), session
+            )
+
     # ------------------------------------------------------------------ reads
 
     async def queue(self, kind: bytes, key: bytes | None) -> list[tuple[bytes, list[KeyValue]]]:
@@ -428,3 +448,9 @@ class LockRecipe:
         holders = len(granted_kvs(shared[0][1])) if shared else 0
         waiting_shared = len(shared[0][1]) - holders if shared else 0
         return head, holders, waiting_exclusive + waiting_shared
+
+
+def _ranks(keys: Sequence[bytes]) -> dict[bytes, int]:
+    """Each key's place among its request's keys in byte order: with the request's
+    revision, it makes the fencing token of that key's hold (:mod:`.ledger`)."""
+    return {key: rank for rank, key in enumerate(sorted(keys))}

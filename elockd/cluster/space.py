@@ -27,16 +27,20 @@ import secrets
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast
 
+import trio
+
+from elockd.backend import Grant, Holders, KeyInfo, Later
 from elockd.cluster.calls import EtcdCalls
 from elockd.cluster.etcd_client import EtcdClient
-from elockd.cluster.layout import Layout
-from elockd.cluster.ledger import ClusterHold, ClusterSession, Ledger
+from elockd.cluster.layout import EXCLUSIVE, SHARED, Layout, parse_entry_value
+from elockd.cluster.ledger import ClusterHold, ClusterSession, Ledger, fencing_token
 from elockd.cluster.mirror import QueueMirror
 from elockd.cluster.node import ClusterNode
 from elockd.cluster.ownership import SessionOwnership
-from elockd.cluster.recipe import Grant, LockRecipe
+from elockd.cluster.recipe import LockRecipe
+from elockd.sessions import Session
 
-__all__ = ["ClusterHold", "ClusterLockSpace", "ClusterSession", "Grant"]
+__all__ = ["ClusterHold", "ClusterLockSpace", "ClusterSession"]
 
 T = TypeVar("T")
 
@@ -83,6 +87,7 @@ class ClusterLockSpace:
     on_hold_end = _InLedger[Callable[[bool, float], None] | None]()
     on_holds_end = _InLedger[Callable[[bool, list[float]], None] | None]()
     on_wait_end = _InLedger[Callable[[bool, float], None] | None]()
+    on_session_end = _InLedger[Callable[[Session, int, int, str], None] | None]()
 
     def __init__(
         self,
@@ -99,35 +104,141 @@ class ClusterLockSpace:
         self.max_waiters = max_waiters
         self.max_holds = max_holds
         self.node_id = secrets.token_hex(8)
-        self.ledger = ledger = Ledger(max_holds)
+        self.ledger = ledger = Ledger(max_holds, max_waiters)
         self.calls = calls = EtcdCalls(client)
         self.ownership = ownership = SessionOwnership(
             calls, ledger, layout, self.node_id, session_ttl
         )
         calls.on_lease_gone = ownership.lose
         self.mirror = mirror = QueueMirror(layout, on_other=ownership.record_changed)
-        self.recipe = recipe = LockRecipe(ownership, mirror, max_waiters)
+        self.recipe = LockRecipe(ownership, mirror, max_waiters)
         self.node = ClusterNode(ownership, mirror)
         self.sessions = ledger.sessions
         # The cluster's lock counts, from the mirror.
         self.exclusive = _Counted(mirror.exclusive_locks)
         self.shared = _Counted(mirror.shared_locks)
 
-        # Each operation is the method of the part that owns it.
+        # The operations the node's own tasks run (timer, watch, keepalives).
         self.run = self.node.run
         self.open_session = ownership.open_session
         self.disconnect = ownership.disconnect
-        self.take_over = ownership.take_over
         self.next_deadline = ledger.next_deadline
         self.advance = ownership.advance
-        self.acquire = recipe.acquire
-        self.release = recipe.release
-        self.release_all = recipe.release_all
-        self.renew = recipe.renew
-        self.queue = recipe.queue
-        self.holders = recipe.holders
-        self.describe = recipe.describe
         self.local_hold = ledger.local_hold
+
+    # ------------------------------------------------ the backend interface
+    # Every answer needs etcd, so each comes later: a Later running the part's
+    # coroutine. Only renew and token are answered from this node's own books.
+
+    def take_over(self, session_id: str, current: Session) -> Later[Session | None]:
+        async def run() -> Session | None:
+            return await self.ownership.take_over(session_id, _ours(current))
+
+        return Later(run)
+
+    def rename(self, session: Session, name: bytes | None) -> Later[None]:
+        return Later(lambda: self.recipe.rename(_ours(session), name))
+
+    def acquire(self, session: Session, key: bytes, now: float) -> Later[bool]:
+        async def run() -> bool:
+            grant = await self.recipe.acquire(
+                _ours(session), EXCLUSIVE, [key], limit=1, ttl=None, wait=0
+            )
+            return grant.granted
+
+        return Later(run)
+
+    def release(self, session: Session, key: bytes, now: float) -> Later[bool]:
+        async def run() -> bool:
+            return (await self.recipe.release(_ours(session), EXCLUSIVE, key)).granted
+
+        return Later(run)
+
+    def is_locked(self, key: bytes) -> Later[bool]:
+        async def run() -> bool:
+            return next(await self.recipe.holders(EXCLUSIVE, key), None) is not None
+
+        return Later(run)
+
+    def share(self, session: Session, key: bytes, now: float) -> Later[int]:
+        async def run() -> int:
+            grant = await self.recipe.acquire(
+                _ours(session), SHARED, [key], limit=0, ttl=None, wait=0
+            )
+            return grant.count
+
+        return Later(run)
+
+    def release_shared(self, session: Session, key: bytes, now: float) -> Later[int | None]:
+        async def run() -> int | None:
+            freed = await self.recipe.release(_ours(session), SHARED, key)
+            return freed.count if freed.granted else None
+
+        return Later(run)
+
+    def shared_count(self, key: bytes) -> Later[int]:
+        async def run() -> int:
+            return sum(1 for _ in await self.recipe.holders(SHARED, key))
+
+        return Later(run)
+
+    def holders(self, shared: bool, key: bytes | None) -> Later[Holders]:
+        return Later(lambda: self.recipe.holders(SHARED if shared else EXCLUSIVE, key))
+
+    def lock(
+        self, session: Session, keys: list[bytes], now: float, *, wait: float, ttl: float | None
+    ) -> Later[Grant]:
+        async def run() -> Grant:
+            return await self.recipe.acquire(
+                _ours(session), EXCLUSIVE, keys, limit=1, ttl=ttl, wait=wait
+            )
+
+        return Later(run, waits=wait > 0)
+
+    def lock_shared(
+        self,
+        session: Session,
+        key: bytes,
+        now: float,
+        *,
+        limit: int | None,
+        wait: float,
+        ttl: float | None,
+    ) -> Later[Grant]:
+        async def run() -> Grant:
+            return await self.recipe.acquire(
+                _ours(session), SHARED, [key], limit=limit or 0, ttl=ttl, wait=wait
+            )
+
+        return Later(run, waits=wait > 0)
+
+    def release_all(self, session: Session, now: float) -> Later[None]:
+        return Later(lambda: self.recipe.release_all(_ours(session)))
+
+    def renew(self, session: Session, key: bytes, now: float, ttl: float) -> bool:
+        return self.recipe.renew(session, key, ttl)
+
+    def token(self, session: Session, key: bytes) -> int | None:
+        hold = session.exclusive.get(key)
+        return None if hold is None else hold.token
+
+    def info(self, key: bytes, now: float) -> Later[KeyInfo]:
+        async def run() -> KeyInfo:
+            head, shared, waiting = await self.recipe.describe(key)
+            found = KeyInfo(shared=shared, waiting=waiting)
+            if head is not None:
+                value = parse_entry_value(head.value)
+                found.owner = value.owner
+                found.token = fencing_token(
+                    self.ledger.token_floor, head.create_revision, value.rank
+                )
+                # A lease's end is known to the node that runs it: this one's own.
+                local = self.ledger.local_hold(head.lease, key)
+                if local is not None and local.lease_deadline is not None:
+                    found.ttl = max(0.0, local.lease_deadline - trio.current_time())
+            return found
+
+        return Later(run)
 
     @property
     def backend_unavailable(self) -> int:
@@ -148,3 +259,9 @@ class ClusterLockSpace:
             "local_waiting": self.ledger.local_waiting,
             "sessions_lost": self.ledger.sessions_lost,
         }
+
+
+def _ours(session: Session) -> ClusterSession:
+    """Every session of a node is one it opened (:meth:`SessionOwnership.open_session`)."""
+    assert isinstance(session, ClusterSession)
+    return session
