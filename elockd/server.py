@@ -49,7 +49,7 @@ from elockd.startup import (
     blame_file,
 )
 from elockd.tracing import trace_requests
-from elockd.transport import SocketTransport, StreamTransport, Transport
+from elockd.transport import Closer, SocketTransport, StreamTransport, Transport
 
 log = logging.getLogger("elockd")
 
@@ -376,6 +376,7 @@ async def accept_loop(
     tls: ssl.SSLContext | None = None,
     slots: ConnectionSlots | None = None,
     spare: SpareDescriptor | None = None,
+    closer: Closer | None = None,
 ) -> None:
     """Accept every pending connection, one task each; refuse those over the limit.
     Listeners that share a limit share ``slots`` (and the ``spare`` descriptor).
@@ -422,7 +423,7 @@ async def accept_loop(
             slots.used += 1
             tune_accepted(sock, keepalive)
             if tls is None:
-                transport = SocketTransport(sock, send_timeout)
+                transport = SocketTransport(sock, send_timeout, closer)
                 nursery.start_soon(
                     slots.run, serve_connection, service, transport, peer_name(address)
                 )
@@ -591,11 +592,13 @@ async def serve(
         )
     timer = DeadlineTimer(service.backend)
     spare = SpareDescriptor()
+    closer = Closer()
     try:
         async with trio.open_nursery() as nursery:
             if service.background is not None:
                 await nursery.start(service.background)
             nursery.start_soon(timer.run)
+            nursery.start_soon(closer.run)
             if config.metrics_port:
                 # In this nursery, so the scrape reads the tables in this trio run.
                 with blame_address(
@@ -614,7 +617,7 @@ async def serve(
                 # TLS protects the TCP port; the Unix socket is guarded by file modes.
                 listener_tls = tls if index < tcp_listeners else None
                 nursery.start_soon(
-                    accept_loop, service, listener, nursery, listener_tls, slots, spare
+                    accept_loop, service, listener, nursery, listener_tls, slots, spare, closer
                 )
             log.info("elockd listening on %s", ", ".join(describe(a) for a in addresses))
             task_status.started(addresses)

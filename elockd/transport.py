@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import socket
+from collections import deque
 from typing import Protocol
 
 import trio
@@ -61,6 +62,41 @@ class _ReadAhead:
         await trio.sleep_forever()
 
 
+#: Sockets a :class:`Closer` closes before it lets other tasks run.
+CLOSE_SLICE = 128
+
+
+class Closer:
+    """Closes the sockets of ended connections a slice at a time.
+
+    ``close()`` of a TCP socket costs the kernel's FIN work, about 8 µs: when 10,000
+    connections drop together, their tasks all end in one scheduler batch, and
+    closing every socket there would hold every other client up for 80 ms more.
+    Handed here instead, they are closed :data:`CLOSE_SLICE` at a time with a
+    checkpoint between slices (and all at once when the server stops)."""
+
+    def __init__(self) -> None:
+        self._pending: deque[socket.socket] = deque()
+        self._work = trio.Event()
+
+    def close_later(self, sock: socket.socket) -> None:
+        self._pending.append(sock)
+        self._work.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._work.wait()
+                self._work = trio.Event()
+                while self._pending:
+                    for _ in range(min(CLOSE_SLICE, len(self._pending))):
+                        self._pending.popleft().close()
+                    await trio.lowlevel.checkpoint()
+        finally:
+            while self._pending:
+                self._pending.popleft().close()
+
+
 class SocketTransport(_ReadAhead):
     """A connected non-blocking stdlib socket, driven with trio's readiness waits.
 
@@ -70,13 +106,16 @@ class SocketTransport(_ReadAhead):
     moves whenever bytes go out, so a big reply read slowly but steadily is not cut.
     """
 
-    __slots__ = ("send_timeout", "sock")
+    __slots__ = ("closer", "send_timeout", "sock")
 
-    def __init__(self, sock: socket.socket, send_timeout: float = math.inf) -> None:
+    def __init__(
+        self, sock: socket.socket, send_timeout: float = math.inf, closer: Closer | None = None
+    ) -> None:
         super().__init__()
         sock.setblocking(False)
         self.sock = sock
         self.send_timeout = send_timeout
+        self.closer = closer
 
     async def receive(self) -> bytes:
         """Yield to the other connections first, then try ``recv`` before arming epoll.
@@ -131,7 +170,10 @@ class SocketTransport(_ReadAhead):
             view = view[sent:]
 
     async def aclose(self) -> None:
-        self.sock.close()
+        if self.closer is None:
+            self.sock.close()
+        else:
+            self.closer.close_later(self.sock)
 
 
 #: A Stream's send_all gives no sign of progress until it returns, so
