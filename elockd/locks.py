@@ -161,7 +161,7 @@ class LockEngine(Bookkeeping):
         holds now (grace 0) or when its grace time ends. Leases stay.
 
         A session that would live on without a connection while ``max_sessions``
-        already do ends at once instead, leases and all (PROTOCOL.md: Sessions)."""
+        already do ends at once instead, leases and all (docs/protocol.md: Sessions)."""
         session.connected = False
         self.detached += 1
         for waiter in list(session.waiters):

@@ -113,7 +113,7 @@ async def test_half_close_gets_every_reply_then_the_session_ends(server: Running
 
 
 async def test_half_close_while_waiting_cancels_the_wait(server: RunningServer) -> None:
-    """EOF ends the session (PROTOCOL.md): a wait in progress is cancelled and gets no
+    """EOF ends the session (docs/protocol.md): a wait in progress is cancelled and gets no
     reply, nor do the requests pipelined behind it; replies before it were sent."""
     holder, client = await server.connect(), await server.connect()
     assert await holder.request(b"g busy") == b"1 Got Lock"

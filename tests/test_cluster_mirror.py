@@ -6,7 +6,7 @@ A Hypothesis state machine plays etcd: requests enqueue (one revision per txn, a
 timeout, lease expiry), ``sg`` entries hold at once, and watch batches arrive late
 and in uneven slices. The model keeps etcd's state at every revision and the grant
 facts (who was told "granted", at which revision), and checks them against the
-promise of PROTOCOL.md, not against the mirror's own formula:
+promise of docs/protocol.md, not against the mirror's own formula:
 
 * safety: when a waiter is granted, the holders of each of its keys at that
   revision (``sg`` entries, and entries of waiters granted earlier that are still

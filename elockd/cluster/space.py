@@ -71,7 +71,7 @@ class _InLedger(Generic[T]):
 
 class ClusterLockSpace:
     """This node's view of the lock space in etcd, and its sessions: the backend
-    a cluster node's server runs on (see :class:`elockd.stats.Backend`)."""
+    a cluster node's server runs on (see :class:`elockd.backend.Backend`)."""
 
     # What q and /metrics read, and the hooks the server sets: all in the books.
     token_floor = _InLedger[int]()
