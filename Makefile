@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 9999
 METRICS_PORT ?= 9998
 
-.PHONY: run test lint clean stress bench
+.PHONY: run test lint clean stress bench bench-compare
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,12 @@ stress: $(VENV)/.installed-test
 BENCH_ARGS ?=
 bench: $(VENV)/.installed-run
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+# The throughput rows of two checkouts side by side (BEFORE: a directory holding an
+# elockd package, e.g. `git worktree add /tmp/before HEAD~5`).
+BEFORE ?=
+bench-compare: $(VENV)/.installed-run
+	$(BIN)/python bench/compare.py --before $(BEFORE) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-3.* .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/.build
