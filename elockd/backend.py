@@ -105,8 +105,9 @@ class Later(Generic[T]):
 #: An operation's result: the value now, or later.
 Result: TypeAlias = T | Later[T]
 
-#: ``d``/``sd``: (key, owner) of every hold listed, produced as the dump is sent.
-Holders: TypeAlias = Iterator[tuple[bytes, bytes]]
+#: ``d``/``sd``/``dump``: (key, owner, address) of every hold listed, produced as the
+#: dump is sent. The owner is the session's ``iam`` name, else its ``IP:PORT``.
+Holders: TypeAlias = Iterator[tuple[bytes, bytes, bytes]]
 
 
 class Backend(Protocol):
@@ -162,7 +163,9 @@ class Backend(Protocol):
         """The holders left, or None when this session held none."""
 
     def shared_count(self, key: bytes) -> Result[int]: ...
-    def holders(self, shared: bool, key: bytes | None) -> Result[Holders]: ...
+    def holders(self, shared: bool, key: bytes | None, *, ordered: bool = False) -> Result[Holders]:
+        """Every hold of a table (``key`` None) or of one key; ``ordered``: keys in
+        byte order (glockd's ``dump``)."""
 
     # The word family's requests.
     def lock(

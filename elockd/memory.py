@@ -47,15 +47,17 @@ class MemoryBackend(LockEngine):
     def share(self, session: Session, key: bytes, now: float) -> int:
         return self.acquire_shared(session, key, now)[1]
 
-    def holders(self, shared: bool, key: bytes | None) -> Holders:
+    def holders(self, shared: bool, key: bytes | None, *, ordered: bool = False) -> Holders:
         """Weakly consistent, as Redis's SCAN: the keys are a snapshot of the table
         (8 bytes each, not the reply), and each key's holders are read when its turn
         comes. A hold present for the whole dump is listed exactly once (its key is
         in the snapshot once); one taken or freed meanwhile may or may not be."""
         table = self.shared if shared else self.exclusive
-        keys = list(table) if key is None else [key]
+        keys = (sorted(table) if ordered else list(table)) if key is None else [key]
         holds_of = self.shared_holds if shared else self.exclusive_holds
-        return ((hold.key, hold.session.owner) for k in keys for hold in holds_of(k))
+        return (
+            (hold.key, hold.session.owner, hold.session.peer) for k in keys for hold in holds_of(k)
+        )
 
     # ------------------------------------------------------------- the word family
 

@@ -330,7 +330,7 @@ class Connection:
             command = self.commands.get(verb)
             if command is None:
                 self.service.counters.invalid_commands += 1
-                return b"0 Invalid Command: %s\r\n" % verb[:INVALID_VERB_SHOWN]
+                return self.replies.unknown_verb(verb[:INVALID_VERB_SHOWN])
         self.command_counts[verb] += 1
         try:
             return command.call(self, rest, now)

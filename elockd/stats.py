@@ -57,13 +57,6 @@ def snapshot(engine: Backend, counters: Counters) -> dict[str, int]:
     return dict(sorted(values.items()))
 
 
-def render_q(values: dict[str, int]) -> bytes:
-    """elockd's `q`: ``name: value`` lines, then END."""
-    lines = [f"{name}: {value}\r\n" for name, value in values.items()]
-    lines.append("END\r\n")
-    return "".join(lines).encode("ascii")
-
-
 def render_stats(values: dict[str, int], clients: int) -> bytes:
     """elock's `stats`: its own three first, then every other counter once, sorted."""
     first = {"clients": clients, "locks": values["locks"], "monitoring": values["sessions"]}

@@ -10,21 +10,13 @@ locks ``a b``. The texts come from the connection's reply style
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from elockd.backend import Holders, Later
 from elockd.protocol import TERSE, Outcome, Reply, Streamed, answer
-from elockd.stats import render_q
 
 if TYPE_CHECKING:
     from elockd.protocol import Connection
-
-END = b"END\r\n"
-#: A streamed reply goes out in pieces of about this many bytes: big enough that a
-#: dump costs few sends, small enough that a client that does not read holds at most
-#: this (plus the kernel's socket buffers) of the server's memory.
-CHUNK_BYTES = 32 * 1024
 
 
 def terse_key(rest: bytes) -> bytes:
@@ -103,47 +95,37 @@ def cmd_si(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_q(conn: Connection, rest: bytes, now: float) -> Reply:
-    return render_q(conn.service.snapshot())
+    return conn.replies.counters(conn.service.snapshot())
 
 
-def chunked(lines: Iterable[bytes]) -> Iterator[bytes]:
-    """``lines`` then END, joined into pieces of about :data:`CHUNK_BYTES`."""
-    chunk: list[bytes] = []
-    size = 0
-    for line in lines:
-        chunk.append(line)
-        size += len(line)
-        if size >= CHUNK_BYTES:
-            yield b"".join(chunk)
-            chunk.clear()
-            size = 0
-    chunk.append(END)
-    yield b"".join(chunk)
-
-
-def stream_holders(holders: Holders) -> Streamed:
-    """``d``/``sd``: a ``K: OWNER`` line per hold, then END, produced as it is sent
-    (the backend's :meth:`~elockd.backend.Backend.holders` is weakly consistent, as
+def _listing(conn: Connection, shared: bool, key: bytes | None) -> Reply:
+    """``d``/``sd``: a ``K: OWNER`` line per hold, produced as it is sent (the
+    backend's :meth:`~elockd.backend.Backend.holders` is weakly consistent, as
     Redis's SCAN: a hold present for the whole dump is listed exactly once)."""
-    return Streamed(chunked(b"%s: %s\r\n" % pair for pair in holders))
+    replies = conn.replies
 
+    def listing(rows: Holders) -> Streamed:
+        return Streamed(replies.listing(b"%s: %s\r\n" % (k, owner) for k, owner, _ in rows))
 
-def _dump(conn: Connection, shared: bool, key: bytes | None) -> Reply:
-    return answer(conn.backend.holders(shared, key), stream_holders, TERSE, conn.peer)
+    rows = conn.backend.holders(shared, key, ordered=replies.sorted_dump)
+    return answer(rows, listing, TERSE, conn.peer)
 
 
 def cmd_d(conn: Connection, rest: bytes, now: float) -> Reply:
-    return _dump(conn, False, terse_key(rest) or None)
+    return _listing(conn, False, terse_key(rest) or None)
 
 
 def cmd_sd(conn: Connection, rest: bytes, now: float) -> Reply:
-    return _dump(conn, True, terse_key(rest) or None)
+    return _listing(conn, True, terse_key(rest) or None)
 
 
 def cmd_dump(conn: Connection, rest: bytes, now: float) -> Reply:
-    """``dump`` is ``d`` of every key; ``dump shared`` is ``sd`` of every key. Any other
+    """``dump``: every exclusive hold; ``dump shared``: every shared one. Any other
     argument is ignored (docs/protocol.md)."""
-    return _dump(conn, terse_key(rest) == b"shared", None)
+    shared = terse_key(rest) == b"shared"
+    replies = conn.replies
+    rows = conn.backend.holders(shared, None, ordered=replies.sorted_dump)
+    return answer(rows, lambda found: Streamed(replies.dump(found, shared)), TERSE, conn.peer)
 
 
 def cmd_iam(conn: Connection, rest: bytes, now: float) -> Reply:
@@ -171,7 +153,7 @@ def cmd_who(conn: Connection, rest: bytes, now: float) -> Reply:
         and (name := other.session.name) is not None
         and (not wanted or name == wanted)
     )
-    return Streamed(chunked(lines))
+    return Streamed(conn.replies.listing(lines))
 
 
 def cmd_me(conn: Connection, rest: bytes, now: float) -> Reply:

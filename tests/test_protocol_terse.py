@@ -63,6 +63,7 @@ async def test_terse_table(lock_server: RunningServer, clock: object) -> None:
         await b.aclose()
 
 
+@pytest.mark.parametrize("server_config", [Config()])
 async def test_repeated_get_keeps_one_hold(lock_server: RunningServer, clock: object) -> None:
     a, b = await pair(lock_server)
     assert (await a.reply(b"g k"))[:1] == b"1"
@@ -130,6 +131,7 @@ async def test_unknown_verbs_empty_lines_and_case(
     assert (await a.stats())["invalid_commands"] == 6
 
 
+@pytest.mark.parametrize("server_config", [Config()])
 async def test_q_lists_every_counter_sorted(lock_server: RunningServer, clock: object) -> None:
     a, b = await pair(lock_server)
     await a.reply(b"g k")
@@ -154,6 +156,7 @@ async def test_q_lists_every_counter_sorted(lock_server: RunningServer, clock: o
     assert values["connections"] == 2
 
 
+@pytest.mark.parametrize("server_config", [Config()])
 async def test_disconnect_frees_and_counts_orphans(
     lock_server: RunningServer, clock: object
 ) -> None:

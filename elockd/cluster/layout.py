@@ -79,17 +79,29 @@ class Layout:
 
 
 def entry_value(
-    limit: int, ttl: float | None, owner: bytes, *, held: bool = False, rank: int = 0
+    limit: int,
+    ttl: float | None,
+    owner: bytes,
+    *,
+    held: bool = False,
+    rank: int = 0,
+    peer: bytes | None = None,
 ) -> bytes:
-    """An entry's value: ``h`` once a shared entry with a limit holds (``w`` before),
-    with ``:RANK`` when the entry is not the first key of its request (an ``mlock``
-    ranks its keys in byte order, for their fencing tokens), the request's holder
-    limit (0: none), its lease in seconds (0: none) and the owner ``d`` shows. The
-    owner goes last: it may hold blanks."""
+    """An entry's value: a flag, ``h`` once a shared entry with a limit holds (``w``
+    before), with ``:RANK`` when the entry is not the first key of its request (an
+    ``mlock`` ranks its keys in byte order, for their fencing tokens); the request's
+    holder limit (0: none); its lease in seconds (0: none); the holder's address
+    (``IP:PORT``, for glockd's ``dump``), and last the owner ``d`` shows, which may
+    hold blanks. With an address the flag is upper case (``W``/``H``): values
+    written before it existed (``w``/``h``, no address) still read."""
     flag = b"h" if held else b"w"
+    fields = [str(limit).encode(), repr(ttl or 0.0).encode()]
+    if peer is not None:
+        flag = flag.upper()
+        fields.append(peer)
     if rank:
         flag += b":%d" % rank
-    return b"%s %d %r %s" % (flag, limit, ttl or 0.0, owner)
+    return b" ".join([flag, *fields, owner])
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,20 +111,24 @@ class EntryValue:
     ttl: float | None
     owner: bytes
     rank: int = 0
+    peer: bytes = b""  # the holder's address ("" in values written without one)
 
 
 def parse_entry_value(value: bytes) -> EntryValue:
     """The parts of an entry value. A malformed one reads as a held exclusive entry
     with no owner: it then blocks others (safe), never lets them through."""
-    parts = value.split(b" ", 3)
-    flag, _, rank = parts[0].partition(b":")
+    flag, _, rank = value.split(b" ", 1)[0].partition(b":")
+    with_peer = flag in (b"W", b"H")
+    parts = value.split(b" ", 4 if with_peer else 3)
     try:
-        held, limit, ttl = flag == b"h", int(parts[1]), float(parts[2])
+        held, limit, ttl = flag in (b"h", b"H"), int(parts[1]), float(parts[2])
         order = int(rank) if rank else 0
     except (ValueError, IndexError):
         return EntryValue(True, 1, None, b"?")
-    owner = parts[3] if len(parts) > 3 else b""
-    return EntryValue(held, limit, ttl if ttl > 0 else None, owner, order)
+    rest = parts[3:]
+    peer = rest.pop(0) if with_peer and rest else b""
+    owner = rest[0] if rest else b""
+    return EntryValue(held, limit, ttl if ttl > 0 else None, owner, order, peer or owner)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,11 +19,11 @@ session itself and calls etcd only for a request that waits for the answer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import trio
 
-from elockd.backend import BackendUnavailable, Grant, QueueFull
+from elockd.backend import BackendUnavailable, Grant, Holders, QueueFull
 from elockd.cluster.etcd_client import (
     KeyValue,
     compare_create,
@@ -127,7 +127,8 @@ class LockRecipe:
     ) -> Grant:
         now = trio.current_time()
         ranks = _ranks(keys)
-        values = [entry_value(limit, ttl, session.owner, rank=ranks[k]) for k in keys]
+        owner, peer = session.owner, session.peer
+        values = [entry_value(limit, ttl, owner, rank=ranks[k], peer=peer) for k in keys]
         # Anything of ours created at or before this revision is not this request's:
         # a stray the sweep may be deleting right now (see the node's sweep).
         start = self.mirror.revision
@@ -319,7 +320,7 @@ class LockRecipe:
     ) -> bool:
         """Record in etcd that a shared entry with a limit now holds (see
         :mod:`.mirror`): False when the entry is gone (the session was lost)."""
-        value = entry_value(limit, ttl, session.owner, held=True)
+        value = entry_value(limit, ttl, session.owner, held=True, peer=session.peer)
         result = await self.calls.etcd(
             self.client.txn(
                 [compare_create(entry, "==", revision)], [put_op(entry, value, session.lease)]
@@ -394,7 +395,12 @@ class LockRecipe:
             if entry is None:
                 continue
             value = entry_value(
-                entry.limit, entry.ttl, session.owner, held=entry.held, rank=entry.rank
+                entry.limit,
+                entry.ttl,
+                session.owner,
+                held=entry.held,
+                rank=entry.rank,
+                peer=session.peer,
             )
             put = put_op(etcd_key, value, session.lease)
             puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))
@@ -425,19 +431,20 @@ class LockRecipe:
         queues = await self.queue(SHARED, key)
         return len(granted_kvs(queues[0][1])) if queues else 0
 
-    async def holders(self, kind: bytes, key: bytes | None) -> Iterator[tuple[bytes, bytes]]:
-        """(lock name, owner) of every hold in a table, or of one key: read from a
-        snapshot of the queues as the caller goes (a dump streams; each key's holders
-        are as they are when its turn comes)."""
+    async def holders(self, kind: bytes, key: bytes | None) -> Holders:
+        """(lock name, owner, address) of every hold in a table, or of one key, names
+        in byte order: read with one range read, and turned into rows as the caller
+        goes (a dump streams)."""
         queues = await self.queue(kind, key)
 
-        def pairs() -> Iterator[tuple[bytes, bytes]]:
+        def rows() -> Holders:
             for name, kvs in queues:
                 held = list(granted_kvs(kvs)) if kind == SHARED else kvs[:1]
                 for kv in held:
-                    yield name, parse_entry_value(kv.value).owner
+                    value = parse_entry_value(kv.value)
+                    yield name, value.owner, value.peer
 
-        return pairs()
+        return rows()
 
     async def describe(self, key: bytes) -> tuple[KeyValue | None, int, int]:
         """``info``: the exclusive head entry, shared holders, requests waiting."""

@@ -182,7 +182,8 @@ class ClusterLockSpace:
 
         return Later(run)
 
-    def holders(self, shared: bool, key: bytes | None) -> Later[Holders]:
+    def holders(self, shared: bool, key: bytes | None, *, ordered: bool = False) -> Later[Holders]:
+        # One range read gives etcd's order: keys in byte order already.
         return Later(lambda: self.recipe.holders(SHARED if shared else EXCLUSIVE, key))
 
     def lock(
