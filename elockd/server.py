@@ -1,12 +1,9 @@
 """Trio glue: listeners, one nursery task per connection, the deadline timer, shutdown.
 
-Nothing here decides anything about locks or replies: a connection task reads
-bytes, hands every complete line of the chunk to its sans-IO
-:class:`~elockd.protocol.Connection`, and sends all the replies of the chunk in one
-write. Only a request that waits breaks that rhythm: replies before it are flushed,
-then the task waits for the grant, the timeout, or the peer going away. A reply that
-grows with the tables (a dump) is sent a chunk at a time, each made only once the one
-before went out.
+Nothing here decides anything about locks or replies: the accept loop starts one
+task per connection running :func:`elockd.serving.serve_connection`, the HTTP port
+(metrics and WebSocket sessions) runs beside it, and the :class:`DeadlineTimer`
+runs the backend's deadlines.
 
 Work a crowd can trigger at once (10,000 waits timing out together, 10,000
 connections dropping with a million locks) is done by the engine in slices that the
@@ -28,19 +25,19 @@ import socket
 import ssl
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import trio
 
 from elockd.backend import Backend
 from elockd.commands import COMMANDS
 from elockd.config import Config
-from elockd.framing import LineReader
-from elockd.logs import log_connection_close, log_connection_open, log_refusal, log_session_end
+from elockd.logs import log_refusal, log_session_end
 from elockd.logthrottle import LogThrottle
 from elockd.memory import MemoryBackend
 from elockd.metrics import serve_metrics
-from elockd.protocol import Connection, Delayed, Outcome, Reply, Service, Streamed
+from elockd.protocol import Service
+from elockd.serving import ConnectionSlots, peer_name, serve_connection
 from elockd.startup import (
     LOCK_PORT_HINT,
     METRICS_PORT_HINT,
@@ -49,150 +46,16 @@ from elockd.startup import (
     blame_file,
 )
 from elockd.tracing import trace_requests
-from elockd.transport import Closer, SocketTransport, StreamTransport, Transport
+from elockd.transport import Closer, SocketTransport, StreamTransport
 
 log = logging.getLogger("elockd")
 
 TOO_MANY_CONNECTIONS = b"0 Too Many Connections\r\n"
 LISTEN_BACKLOG = 4096
-#: Replies of one received chunk are sent once they reach this many bytes, not only
-#: at the end of the chunk. A 64 KiB chunk of ``d\n`` is 32,768 dumps: buffering
-#: all their replies before one write would cost gigabytes and stall every other
-#: connection; flushing (and yielding) at this size bounds both.
-REPLY_FLUSH_BYTES = 65536
 #: Deadlines (lease ends, grace ends, waits timing out) the timer runs before it lets
 #: other tasks run: each timed-out wait wakes its connection's task, and trio runs
 #: every task woken in one batch before it looks at the network again.
 DEADLINE_SLICE = 256
-
-
-def peer_name(address: object) -> bytes:
-    """``IP:PORT`` for TCP peers (``[IP]:PORT`` for IPv6); ``unix`` otherwise."""
-    if isinstance(address, tuple) and len(address) >= 2:
-        host, port = address[0], address[1]
-        return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
-    return b"unix"
-
-
-async def serve_connection(service: Service, transport: Transport, peer: bytes) -> None:
-    """Run one client connection to its end, then free its session per its rules."""
-    log_connection_open(peer)
-    conn = Connection(service, peer)
-    reader = LineReader(service.config.max_line)
-    idle_timeout = service.config.idle_timeout
-    try:
-        # The backend may end the connection (its session was lost) through abort.
-        with trio.CancelScope() as ended:
-            conn.set_abort(ended.cancel)
-            await _serve_requests(conn, reader, transport, idle_timeout)
-    except trio.BrokenResourceError:
-        pass  # the peer is gone; nothing to tell it
-    finally:
-        conn.close(trio.current_time())
-        await transport.aclose()
-        log_connection_close(peer)
-
-
-async def _serve_requests(
-    conn: Connection, reader: LineReader, transport: Transport, idle_timeout: float | None
-) -> None:
-    """Read, answer and write until the peer leaves or asks to close.
-
-    The fast path: every complete line of a received chunk is answered at once, and
-    the replies go out in one write (or every :data:`REPLY_FLUSH_BYTES`). A reply
-    that is not ready (a wait, the backend's I/O, a dump) takes :func:`deliver`,
-    after the replies before it went out, so they stay in order."""
-    while not conn.closing:
-        if idle_timeout is None:
-            data = await transport.receive()
-        else:
-            data = b""  # stays empty when the idle timeout ends the connection
-            with trio.move_on_after(idle_timeout):
-                data = await transport.receive()
-        if not data:
-            break
-        now = trio.current_time()
-        replies: list[bytes] = []
-        buffered = 0
-        for line in reader.feed(data):
-            reply = conn.handle(line, now)
-            if reply.__class__ is not bytes:
-                if replies:
-                    await transport.send(b"".join(replies))
-                    replies.clear()
-                    buffered = 0
-                if not await deliver(reply, transport):
-                    return  # the client left while its request waited
-                if conn.closing:
-                    break
-                now = trio.current_time()
-                continue
-            assert isinstance(reply, bytes)
-            replies.append(reply)
-            if conn.closing:
-                break
-            buffered += len(reply)
-            if buffered >= REPLY_FLUSH_BYTES:
-                # Backpressure from a client that does not read starts here, and
-                # the checkpoint lets other connections run between batches.
-                await transport.send(b"".join(replies))
-                replies.clear()
-                buffered = 0
-                await trio.lowlevel.checkpoint()
-                now = trio.current_time()
-        if replies:
-            await transport.send(b"".join(replies))
-
-
-async def deliver(reply: Reply, transport: Transport) -> bool:
-    """Send a reply that was not ready at once; False when the client went away while
-    its request waited (its session's disconnect then cancels the wait)."""
-    if isinstance(reply, Outcome):
-        settled = await settle(reply, transport)
-        if settled is None:
-            return False
-        reply = settled
-    elif isinstance(reply, Delayed):
-        await trio.sleep(reply.seconds)
-        reply = reply.reply
-    if isinstance(reply, Streamed):
-        await send_streamed(reply, transport)
-    elif reply:  # glockd's dialect answers some requests with nothing at all
-        assert isinstance(reply, bytes)
-        await transport.send(reply)
-    return True
-
-
-async def settle(outcome: Outcome, transport: Transport) -> bytes | Streamed | None:
-    """An outcome's reply. One that waits for a grant is raced against the client
-    going away, and abandoned (None) if it does first."""
-    if not outcome.waits:
-        return await outcome.settle()
-    reply: bytes | Streamed | None = None
-
-    async def run() -> None:
-        nonlocal reply
-        reply = await outcome.settle()
-        nursery.cancel_scope.cancel()
-
-    async def watch_peer() -> None:
-        await transport.watch_for_close()
-        nursery.cancel_scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run)
-        nursery.start_soon(watch_peer)
-    return reply
-
-
-async def send_streamed(reply: Streamed, transport: Transport) -> None:
-    """Send a streamed reply a chunk at a time: the next chunk is made only after the
-    last one went out (a client that does not read stops the dump, not the server),
-    and other connections run between chunks."""
-    for chunk in reply.chunks:
-        if chunk:  # an empty listing in glockd's dialect is no reply at all
-            await transport.send(chunk)
-        await trio.lowlevel.checkpoint()
 
 
 class DeadlineTimer:
@@ -345,29 +208,6 @@ class SpareDescriptor:
             return True
         finally:
             self.take()
-
-
-class ConnectionSlots:
-    """Connections counted from accept to the end of their task, across listeners.
-
-    ``--max-connections`` is checked against this, not against the connections
-    the protocol layer counts: the accept loop takes every pending connection of a
-    burst before any new task runs (so that count would still be stale), and a TLS
-    connection exists for up to ``--handshake-timeout`` before its session does.
-    """
-
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    async def run(self, serve: Callable[..., Awaitable[None]], *args: object) -> None:
-        """Run one connection's task; its slot is free again when it ends."""
-        try:
-            await serve(*args)
-        finally:
-            self.used -= 1
 
 
 async def accept_loop(

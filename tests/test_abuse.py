@@ -29,7 +29,8 @@ import trio.testing
 from elockd.config import Config
 from elockd.framing import LineReader
 from elockd.protocol import Connection, Streamed
-from elockd.server import REPLY_FLUSH_BYTES, make_service, serve_stream
+from elockd.server import make_service, serve_stream
+from elockd.serving import REPLY_FLUSH_BYTES
 from tests.conftest import LineClient, RunningServer
 from tests.sansio import memory_service
 

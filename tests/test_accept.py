@@ -14,13 +14,13 @@ from elockd import server
 from elockd.config import Config
 from elockd.logthrottle import LogThrottle
 from elockd.server import (
-    ConnectionSlots,
     SpareDescriptor,
     accept_loop,
     keepalive_settings,
     make_service,
     tune_accepted,
 )
+from elockd.serving import ConnectionSlots
 
 
 class FlakyListener(socket.socket):
