@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from elockd.client.base import describe
 from elockd.client.core import encode_key, quoted
+from elockd.client.websocket import parse_url
 from elockd.ctl_status import EXIT_FALSE, EXIT_USAGE
 
 PROBE_VERBS = ("g", "r", "i", "sg", "sr", "si")
@@ -138,6 +139,13 @@ def build_parser() -> Parser:
     add("--host", help="server address (default: $ELOCKD_HOST, else 127.0.0.1)")
     add("--port", type=port, help="TCP port (default: $ELOCKD_PORT, else 9999)")
     add("--unix", metavar="PATH", help="connect to this Unix socket instead of TCP")
+    add(
+        "--url",
+        metavar="URL",
+        type=websocket_url,
+        help="a WebSocket session on the server's HTTP port instead "
+        "(ws://HOST:PORT/, or wss:// for TLS; default: $ELOCKD_URL)",
+    )
     add("--tls", action="store_true", help="use TLS (implied by the other --tls options)")
     add("--tls-ca", metavar="PEM", help="CA to verify the server with (default: system CAs)")
     add("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
@@ -295,6 +303,7 @@ def client_options(parser: Parser, args: argparse.Namespace) -> dict[str, Any]:
         "host": args.host or os.environ.get("ELOCKD_HOST") or "127.0.0.1",
         "port": args.port if args.port is not None else port_from_environment(parser),
         "unix": args.unix,
+        "url": args.url or url_from_environment(parser),
         "connect_timeout": args.connect_timeout,
         "reply_timeout": args.timeout,
     }
@@ -304,6 +313,28 @@ def client_options(parser: Parser, args: argparse.Namespace) -> dict[str, Any]:
     if args.auth_token_file:
         options["auth_token"] = read_token(parser, args.auth_token_file)
     return options
+
+
+def websocket_url(text: str) -> str:
+    """A ``ws://`` or ``wss://`` URL (argparse names the flag when it is not one)."""
+    try:
+        parse_url(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return text
+
+
+websocket_url.__name__ = "WebSocket URL"
+
+
+def url_from_environment(parser: Parser) -> str | None:
+    text = os.environ.get("ELOCKD_URL")
+    if not text:
+        return None
+    try:
+        return websocket_url(text)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"$ELOCKD_URL: {error}")
 
 
 def port_from_environment(parser: Parser) -> int:

@@ -28,7 +28,9 @@ def say(message: str) -> None:
 
 
 def where(options: dict[str, Any]) -> str:
-    """The server as messages name it: ``HOST:PORT`` or ``unix:PATH``."""
+    """The server as messages name it: ``HOST:PORT``, ``unix:PATH`` or the URL."""
+    if options.get("url"):
+        return str(options["url"])
     return f"unix:{options['unix']}" if options["unix"] else f"{options['host']}:{options['port']}"
 
 

@@ -19,7 +19,8 @@ import errno
 import logging
 import math
 import socket
-from typing import cast
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
@@ -30,11 +31,19 @@ from hypercorn.typing import ASGIFramework, LifespanState
 
 from elockd.logthrottle import LogThrottle
 
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
 log = logging.getLogger("elockd")
 
 #: accept() errors that mean "out of a resource now" (trio.serve_listeners' set).
 CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 accept_warning = LogThrottle(log, logging.WARNING)
+
+
+#: An ASGI app that is also told how to mark its connection upgraded (a WebSocket
+#: session): (scope, receive, send, upgraded).
+App = Callable[[dict[str, Any], Receive, Send, Callable[[], None]], Awaitable[None]]
 
 
 class IdleTimeoutStream(trio.abc.HalfCloseableStream):
@@ -74,27 +83,45 @@ def hypercorn_config(idle_timeout: float) -> HypercornConfig:
 
 
 async def serve_http(
-    app: ASGIFramework,
+    app: App,
     sock: socket.socket,
     *,
     max_connections: int,
     idle_timeout: float = math.inf,
+    max_message: int = 1 << 20,
 ) -> None:
-    """Serve ``app`` on the listening socket ``sock`` until cancelled."""
+    """Serve ``app`` on the listening socket ``sock`` until cancelled. A connection
+    the app upgrades (calls its ``upgraded``) leaves the cap and the idle timeout
+    of HTTP: it is a session now, with limits of its own. ``max_message`` bounds a
+    WebSocket message (larger ones close the connection: 1009)."""
     config = hypercorn_config(idle_timeout)
+    config.websocket_max_message_size = max_message
     context = WorkerContext(None)
-    wrapped = ASGIWrapper(app)
     state = cast(LifespanState, {})
     slots = trio.Semaphore(max_connections)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
 
     async def serve_one(stream: trio.SocketStream) -> None:
+        timed = IdleTimeoutStream(stream, idle_timeout)
+        holding = True
+
+        def upgraded() -> None:
+            nonlocal holding
+            timed.idle_timeout = math.inf
+            if holding:
+                holding = False
+                slots.release()
+
+        async def per_connection(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+            await app(scope, receive, send, upgraded)
+
+        wrapped = ASGIWrapper(cast(ASGIFramework, per_connection))
         try:
-            timed = IdleTimeoutStream(stream, idle_timeout)
             server = TCPServer(wrapped, config, context, state, timed)  # type: ignore[arg-type]
             await server.run()
         finally:
-            slots.release()
+            if holding:
+                slots.release()
 
     async with trio.open_nursery() as nursery:
         while True:

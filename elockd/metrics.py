@@ -24,10 +24,10 @@ import logging
 import platform
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, cast
+from functools import partial
+from typing import Any
 
 import trio
-from hypercorn.typing import ASGIFramework
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -41,7 +41,9 @@ from prometheus_client.registry import Collector
 from elockd import __version__
 from elockd.http import listen_tcp, serve_http
 from elockd.protocol import Service
+from elockd.serving import ConnectionSlots
 from elockd.stats import Buckets
+from elockd.websocket import serve_websocket
 
 log = logging.getLogger("elockd")
 
@@ -56,7 +58,8 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
+HttpApp = Callable[[Scope, Receive, Send, Callable[[], None]], Awaitable[None]]
+SessionStarter = Callable[[Scope, Receive, Send, Callable[[], None]], Awaitable[None]]
 
 
 class ElockdCollector(Collector):
@@ -239,10 +242,18 @@ class Exposition:
         return body, content_type
 
 
-def make_app(exposition: Exposition) -> App:
-    """``/metrics`` (the cached exposition), ``/healthz``, and 404 elsewhere."""
+def make_app(exposition: Exposition, sessions: SessionStarter | None = None) -> HttpApp:
+    """``/metrics`` (the cached exposition), ``/healthz``, 404 elsewhere, and with
+    ``sessions`` a WebSocket upgrade on ``/`` (:mod:`elockd.websocket`)."""
 
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send, upgraded: Callable[[], None]) -> None:
+        if scope["type"] == "websocket":
+            if sessions is None or scope["path"] != "/":
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 1008})  # before accept: 403
+            else:
+                await sessions(scope, receive, send, upgraded)
+            return
         if scope["type"] != "http":
             return
         if scope["method"] not in ("GET", "HEAD"):
@@ -257,7 +268,7 @@ def make_app(exposition: Exposition) -> App:
             # Answering at all proves the trio run (and so the lock server) is alive.
             await respond(send, 200, b"ok\n")
         else:
-            await respond(send, 404, b"not found: try /metrics or /healthz\n")
+            await respond(send, 404, b"not found: try /metrics, /healthz or a WebSocket on /\n")
 
     return app
 
@@ -284,12 +295,15 @@ async def serve_metrics(
     service: Service,
     host: str,
     port: int,
+    slots: ConnectionSlots | None = None,
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``/metrics`` and ``/healthz`` on ``host:port`` until cancelled, at most
-    ``--metrics-max-connections`` connections at once, each closed after
-    ``--metrics-idle-timeout`` seconds of silence (:mod:`elockd.http`).
+    """Serve the HTTP port on ``host:port`` until cancelled: ``/metrics`` and
+    ``/healthz`` to at most ``--metrics-max-connections`` connections at once, each
+    closed after ``--metrics-idle-timeout`` seconds of silence (:mod:`elockd.http`),
+    and with ``slots`` (the lock port's, for ``--max-connections``) WebSocket
+    sessions on ``/``.
 
     ``port`` 0 takes any free port; ``task_status`` reports the bound address.
     """
@@ -297,14 +311,22 @@ async def serve_metrics(
     sock = listen_tcp(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     exposition = Exposition(make_registry(service), max_age=config.metrics_cache)
-    app = cast(ASGIFramework, make_app(exposition))
+    sessions = None if slots is None else partial(serve_websocket, service, slots)
     try:
         task_status.started((bound_host, bound_port))
         await serve_http(
-            app,
+            make_app(exposition, sessions),
             sock,
             max_connections=config.metrics_max_connections,
             idle_timeout=config.metrics_idle_timeout,
+            max_message=websocket_message_limit(config.max_line),
         )
     finally:
         sock.close()
+
+
+def websocket_message_limit(max_line: int) -> int:
+    """The largest WebSocket message taken in: enough for a request well over
+    ``--max-line`` (it gets ``0 Line Too Long``, and the session goes on); a larger
+    one closes the session (1009), so a message costs at most this much memory."""
+    return max(1 << 20, 4 * max_line)

@@ -440,6 +440,8 @@ async def serve(
                 await nursery.start(service.background)
             nursery.start_soon(timer.run)
             nursery.start_soon(closer.run)
+            # One limit for every listener, WebSocket sessions on the HTTP port too.
+            slots = ConnectionSlots(config.max_connections)
             if config.metrics_port:
                 # In this nursery, so the scrape reads the tables in this trio run.
                 with blame_address(
@@ -450,10 +452,11 @@ async def serve(
                     METRICS_PORT_HINT,
                 ):
                     host, port = await nursery.start(
-                        serve_metrics, service, config.metrics_host, config.metrics_port
+                        serve_metrics, service, config.metrics_host, config.metrics_port, slots
                     )
                 log.info("elockd metrics on http://%s/metrics", describe((host, port)))
-            slots = ConnectionSlots(config.max_connections)  # one limit for all listeners
+                if not tls:
+                    log.info("elockd WebSocket sessions on ws://%s/", describe((host, port)))
             for index, listener in enumerate(listeners):
                 # TLS protects the TCP port; the Unix socket is guarded by file modes.
                 listener_tls = tls if index < tcp_listeners else None

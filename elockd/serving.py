@@ -91,7 +91,8 @@ async def _serve_requests(
                 now = trio.current_time()
                 continue
             assert isinstance(reply, bytes)
-            replies.append(reply)
+            if reply:  # glockd's dialect answers some requests with nothing at all
+                replies.append(reply)
             if conn.closing:
                 break
             buffered += len(reply)
@@ -152,6 +153,11 @@ async def send_streamed(reply: Streamed, transport: Transport) -> None:
     """Send a streamed reply a chunk at a time: the next chunk is made only after the
     last one went out (a client that does not read stops the dump, not the server),
     and other connections run between chunks."""
+    if transport.whole_replies:
+        whole = b"".join(reply.chunks)
+        if whole:
+            await transport.send(whole)
+        return
     for chunk in reply.chunks:
         if chunk:  # an empty listing in glockd's dialect is no reply at all
             await transport.send(chunk)

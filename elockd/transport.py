@@ -25,6 +25,10 @@ READ_AHEAD_LIMIT = 1 << 20
 
 
 class Transport(Protocol):
+    #: True when a multi-line reply must go out whole, in one send (a WebSocket
+    #: message); else it is sent a chunk at a time as the client reads.
+    whole_replies: bool
+
     async def receive(self) -> bytes:
         """The next chunk, or b"" once the peer is gone."""
 
@@ -40,6 +44,7 @@ class _ReadAhead:
     """What both transports share: data read while a request waited comes first."""
 
     __slots__ = ("_read_ahead",)
+    whole_replies = False
 
     def __init__(self) -> None:
         self._read_ahead = b""

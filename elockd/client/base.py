@@ -26,6 +26,7 @@ from elockd.client.core import (
 )
 from elockd.client.methods import Block, Call
 from elockd.client.replies import quoted
+from elockd.client.websocket import parse_url
 
 log = logging.getLogger("elockd.client")
 
@@ -83,6 +84,7 @@ class ClientBase:
         host: str = "127.0.0.1",
         port: int = 9999,
         *,
+        url: str | None = None,
         unix: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
         server_hostname: str | None = None,
@@ -91,6 +93,10 @@ class ClientBase:
         reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
     ) -> None:
         self.host, self.port, self.unix = host, port, unix
+        # ws://host:port/ (the server's HTTP port): a WebSocket session instead.
+        self.websocket = parse_url(url) if url is not None else None
+        if self.websocket is not None:
+            self.host, self.port = self.websocket.host, self.websocket.port
         self.ssl_context = ssl_context
         self.server_hostname = server_hostname
         self.auth_token = auth_token
@@ -110,6 +116,8 @@ class ClientBase:
         raise NotImplementedError
 
     def _where(self) -> str:
+        if self.websocket is not None:
+            return self.websocket.url
         return f"unix:{self.unix}" if self.unix else f"{self.host}:{self.port}"
 
     @staticmethod

@@ -27,6 +27,7 @@ from elockd.client import core
 from elockd.client.base import ClientBase, RateLimiterBase, describe
 from elockd.client.core import Hold, Operation
 from elockd.client.errors import ConnectFailed, ConnectionLost, ElockError
+from elockd.client.websocket import BlockingWebSocket, WebSocketAddress
 
 T = TypeVar("T")
 OnLost = Callable[[Hold], object] | None
@@ -57,6 +58,7 @@ class BlockingClient(ClientBase):
         self._wake_w.setblocking(False)
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._websocket: BlockingWebSocket | None = None  # over ws://: the framing
 
     # ------------------------------------------------------------ lifecycle
 
@@ -95,6 +97,8 @@ class BlockingClient(ClientBase):
 
     def _open_socket(self) -> socket.socket:
         sock: socket.socket
+        if self.websocket is not None:
+            return self._open_websocket(self.websocket)
         if self.unix is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.connect_timeout)
@@ -114,6 +118,25 @@ class BlockingClient(ClientBase):
             except BaseException:
                 sock.close()
                 raise
+        return sock
+
+    def _open_websocket(self, address: WebSocketAddress) -> socket.socket:
+        """Connect to the server's HTTP port and upgrade to a WebSocket; from then on
+        the I/O thread speaks through :attr:`_websocket` (wsproto)."""
+        sock = socket.create_connection((address.host, address.port), self.connect_timeout)
+        try:
+            if address.secure:
+                context = self.ssl_context or ssl.create_default_context()
+                sock = context.wrap_socket(sock, server_hostname=address.host)
+            websocket = BlockingWebSocket(address)
+            ahead = websocket.handshake(sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._websocket = websocket
+        if ahead:
+            with self._lock:
+                self.core.receive(ahead, self._now())
         return sock
 
     def close(self, *, release: bool = True) -> None:
@@ -155,7 +178,10 @@ class BlockingClient(ClientBase):
                 with self._lock:
                     if self._stop:
                         return
-                    out += self.core.data_to_send()
+                    data = self.core.data_to_send()
+                    if self._websocket is not None:
+                        data = self._websocket.encode(data)
+                    out += data
                     when = self.core.next_timer()
                 events = selectors.EVENT_READ | (selectors.EVENT_WRITE if out else 0)
                 selector.modify(sock, events)
@@ -206,6 +232,11 @@ class BlockingClient(ClientBase):
                 return
             if not data:
                 raise ConnectionLost(f"{self._where()} closed the connection")
+            if self._websocket is not None:
+                try:
+                    data = self._websocket.decode(data)
+                except ConnectionError as closed:
+                    raise ConnectionLost(f"{self._where()}: {closed}") from closed
             with self._lock:
                 self.core.receive(data, self._now())
 

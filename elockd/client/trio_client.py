@@ -27,11 +27,13 @@ from types import TracebackType
 from typing import Any, ClassVar, Literal, TypeVar
 
 import trio
+from trio_websocket import HandshakeError
 
 from elockd.client import core
 from elockd.client.base import ClientBase, RateLimiterBase, describe
 from elockd.client.core import Hold, Operation
 from elockd.client.errors import ConnectFailed, ConnectionLost
+from elockd.client.websocket import TrioWebSocketStream
 
 log = logging.getLogger("elockd.client")
 T = TypeVar("T")
@@ -103,12 +105,12 @@ class Client(ClientBase):
         instead of ``async with`` when the client must outlive the calling task."""
         try:
             with trio.fail_after(self.connect_timeout):
-                self._stream = await self._open_stream()
+                self._stream = await self._open_stream(nursery)
         except trio.TooSlowError as error:
             raise ConnectFailed(
                 f"cannot connect to {self._where()}: timed out after {self.connect_timeout:g} s"
             ) from error
-        except (OSError, trio.BrokenResourceError, ssl.SSLError) as error:
+        except (OSError, trio.BrokenResourceError, ssl.SSLError, HandshakeError) as error:
             raise ConnectFailed(f"cannot connect to {self._where()}: {describe(error)}") from error
         for task in (self._reader, self._writer, self._timer):
             scope, done = trio.CancelScope(), trio.Event()
@@ -130,8 +132,13 @@ class Client(ClientBase):
                     ) from error
                 raise
 
-    async def _open_stream(self) -> trio.abc.Stream:
+    async def _open_stream(self, nursery: trio.Nursery) -> trio.abc.Stream:
         stream: trio.abc.Stream
+        if self.websocket is not None:
+            context = self.ssl_context
+            if self.websocket.secure and context is None:
+                context = ssl.create_default_context()
+            return await TrioWebSocketStream.connect(nursery, self.websocket.url, context)
         if self.unix is not None:
             stream = await trio.open_unix_socket(self.unix)
         else:

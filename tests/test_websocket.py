@@ -1,0 +1,190 @@
+"""WebSocket sessions on the HTTP port: one message per request and per reply, a
+session like a TCP one (limits, auth, counters, locks freed on close)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+import trustme
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
+
+from elockd.client import BlockingClient, Client
+from elockd.config import Config
+from elockd.server import make_service, serve
+from tests.conftest import LineClient
+from tests.hostile_tools import free_port
+
+
+@dataclass
+class Running:
+    port: int
+    http_port: int
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.http_port}/"
+
+    async def tcp(self) -> LineClient:
+        return LineClient(await trio.open_tcp_stream("127.0.0.1", self.port))
+
+
+async def start(nursery: trio.Nursery, **settings: object) -> Running:
+    http_port = free_port()
+    config = replace(Config(port=0, metrics_port=http_port), **settings)  # type: ignore[arg-type]
+    addresses = await nursery.start(serve, config, make_service(config))
+    return Running(int(addresses[0][1]), http_port)
+
+
+@asynccontextmanager
+async def websocket(url: str) -> AsyncIterator[WebSocketConnection]:
+    async with open_websocket_url(url) as connection:
+        yield connection
+
+
+async def ask(connection: WebSocketConnection, request: str | bytes) -> str | bytes:
+    await connection.send_message(request)
+    return await connection.get_message()
+
+
+async def test_a_websocket_client_excludes_tcp_clients_and_frees_on_close(
+    nursery: trio.Nursery,
+) -> None:
+    """The issue's case: with --replies glockd, ``g K`` over WebSocket gets glockd's
+    reply; a TCP client cannot take K meanwhile; closing the WebSocket frees K."""
+    server = await start(nursery, replies="glockd")
+    tcp = await server.tcp()
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "g K") == "1 Lock Get Success: K\r\n"
+        assert await tcp.request(b"g K") == b"0 Lock Get Failure: K"
+        assert await ask(ws, b"i K") == b"1 Lock Is Locked: K\r\n"  # binary in, binary out
+    with trio.fail_after(5):
+        while await tcp.request(b"g K") != b"1 Lock Get Success: K":
+            await trio.sleep(0.01)
+    stats = await tcp.request(b"stats")
+    assert stats == b"200 STATS"  # the word family is unchanged in glockd's mode
+
+
+async def test_replies_are_whole_messages_of_the_request_type(nursery: trio.Nursery) -> None:
+    server = await start(nursery)
+    async with websocket(server.url) as ws:
+        for key in ("a", "b", "c"):
+            assert await ask(ws, f"g {key}") == "1 Got Lock\r\n"
+        dump = await ask(ws, "d")  # a multi-line reply: one message, END included
+        assert isinstance(dump, str) and dump.endswith("END\r\n") and dump.count("\r\n") == 4
+        assert await ask(ws, b"lock k") == b"200 Acquired\r\n"
+        assert await ask(ws, "nope") == "0 Invalid Command: nope\r\n"
+        stats = await ask(ws, "q")
+        assert isinstance(stats, str) and "connections: 1\r\n" in stats
+
+
+async def test_auth_is_required_first(nursery: trio.Nursery, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    server = await start(nursery, auth_token_file=str(token), auth_failure_delay=0.01)
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "g K") == "0 Auth Required\r\n"
+        assert await ask(ws, "lock K") == "403 Auth Required\r\n"
+        assert await ask(ws, "auth s3cret") == "200 OK\r\n"
+        assert await ask(ws, "g K") == "1 Got Lock\r\n"
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "auth guess") == "403 Bad Token\r\n"
+        with pytest.raises(ConnectionClosed):
+            await ws.get_message()
+
+
+async def test_websocket_sessions_count_against_max_connections(nursery: trio.Nursery) -> None:
+    server = await start(nursery, max_connections=1)
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "ping") == "200 PONG\r\n"
+        tcp = await server.tcp()
+        assert await tcp.line() == b"0 Too Many Connections\r\n"
+    with trio.fail_after(5):  # the WebSocket's slot comes free when it closes
+        while True:
+            tcp = await server.tcp()
+            if await tcp.request(b"ping") == b"200 PONG":
+                break
+            await trio.sleep(0.01)
+    async with websocket(server.url) as ws:
+        assert await ws.get_message() == "0 Too Many Connections\r\n"
+        with pytest.raises(ConnectionClosed):
+            await ws.get_message()
+
+
+async def test_a_message_over_max_line_is_refused_and_the_session_goes_on(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start(nursery)
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "g " + "k" * 1_000_000) == "0 Line Too Long\r\n"
+        assert await ask(ws, "g k") == "1 Got Lock\r\n"
+        assert "invalid_commands: 1\r\n" in str(await ask(ws, "q"))
+
+
+async def test_an_abrupt_close_frees_the_locks(nursery: trio.Nursery) -> None:
+    """The client's TCP connection goes away without a WebSocket close."""
+    server = await start(nursery)
+    tcp = await server.tcp()
+    raw = trio.socket.socket()
+    await raw.connect(("127.0.0.1", server.http_port))
+    await raw.send(
+        b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    assert b" 101 " in (await raw.recv(4096)).split(b"\r\n")[0]
+    # One masked text frame "g K" (RFC 6455 5.3), as a browser would send it.
+    payload, mask = b"g K", b"\x01\x02\x03\x04"
+    masked = bytes(byte ^ mask[index % 4] for index, byte in enumerate(payload))
+    await raw.send(b"\x81" + bytes([0x80 | len(payload)]) + mask + masked)
+    assert (await raw.recv(4096))[2:] == b"1 Got Lock\r\n"
+    assert await tcp.request(b"i K") == b"1 Locked"
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    raw.close()  # a reset, no close frame
+    with trio.fail_after(5):
+        while await tcp.request(b"i K") != b"0 Not Locked":
+            await trio.sleep(0.01)
+    assert (await tcp.stats())["orphans"] == 1
+
+
+async def test_the_idle_timeout_applies_to_websocket_sessions(
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock
+) -> None:
+    """--idle-timeout, not the HTTP port's: a session outlives --metrics-idle-timeout."""
+    server = await start(nursery, idle_timeout=30.0, metrics_idle_timeout=5.0)
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "g K") == "1 Got Lock\r\n"
+        await trio.sleep(20)
+        assert await ask(ws, "i K") == "1 Locked\r\n"  # 20 s > the HTTP idle timeout
+        await trio.sleep(31)
+        with pytest.raises(ConnectionClosed):
+            await ws.get_message()
+
+
+async def test_upgrades_are_refused_when_the_lock_port_speaks_tls(
+    nursery: trio.Nursery, ca: trustme.CA, tls_files: dict[str, str]
+) -> None:
+    server = await start(nursery, tls_cert=tls_files["cert"], tls_key=tls_files["key"])
+    with pytest.raises(HandshakeError) as refused:
+        async with websocket(server.url):
+            pass
+    assert "403" in str(refused.value)
+
+
+async def test_the_clients_and_their_calls_work_over_websocket(nursery: trio.Nursery) -> None:
+    server = await start(nursery)
+    async with Client(url=server.url) as client:
+        async with client.lock("job", ttl=5) as hold:
+            assert (await client.info("job")).token == hold.token
+
+            def from_a_thread() -> bool:
+                with BlockingClient(url=server.url) as other:
+                    return other.info("job").locked
+
+            assert await trio.to_thread.run_sync(from_a_thread)
+        assert not (await client.info("job")).locked
