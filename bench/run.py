@@ -912,7 +912,7 @@ def main() -> None:
     parser.add_argument("--hold-locks", type=int, default=100, help="locks per connection")
     parser.add_argument("--waiters", type=int, default=10_000)
     parser.add_argument("--leases", type=int, default=100_000)
-    groups = ["throughput", "hold", "features", "scrape", "etcd"]
+    groups = ["throughput", "hold", "features", "scrape", "websocket", "etcd"]
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=groups, help="row groups to leave out"
     )
@@ -938,7 +938,7 @@ def main() -> None:
         run.discard("etcd")
 
     print(f"# elockd bench, {options.seconds:g} s per row; {time.strftime('%Y-%m-%d %H:%M')}")
-    if run & {"throughput", "hold", "features", "scrape"}:
+    if run & {"throughput", "hold", "features", "scrape", "websocket"}:
         pinned_rows(options, run)
     if "etcd" in run:
         etcd_rows(options.seconds, options.etcd_clients, options.etcd_session_ttl)
@@ -1017,6 +1017,8 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
         )
     if "scrape" in run:
         scrape_rows(loadgen, options.seconds)
+    if "websocket" in run:
+        websocket_row(options.seconds)
     if "hold" in run:
         with running(elockd_command(elockd_port), elockd_port) as ours:
             hold = hold_row(elockd_port, ours.pid, options.hold_conns, options.hold_locks)
@@ -1031,6 +1033,37 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
             f"probe p99 {hold['probe_p99_ms']:.1f} ms, max {hold['probe_max_ms']:.1f} ms "
             f"over {hold['probes']:,.0f} probes"
         )
+
+
+def websocket_row(seconds: float, clients: int = 16) -> None:
+    """bench/websocket.py's row: g/r cycles over WebSocket beside TCP, one driver,
+    alternating three times (the server on core 0, the driver on core 1)."""
+    port, http_port = free_port(), free_port()
+    driver = [sys.executable, str(ROOT / "bench" / "websocket.py")]
+    rates: dict[str, list[float]] = {"tcp": [], "websocket": []}
+    server_us: dict[str, list[float]] = {"tcp": [], "websocket": []}
+    with running(elockd_command(port, http_port), port) as server:
+        for _ in range(3):
+            for kind, target in (("tcp", port), ("websocket", http_port)):
+                before = cpu_seconds(server.pid)
+                arguments = [kind, str(target), str(clients), str(seconds)]
+                done = subprocess.run(
+                    ["taskset", "-c", LOADGEN_CORE, *driver, *arguments],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                rate = float(done.stdout.strip())
+                rates[kind].append(rate)
+                server_us[kind].append((cpu_seconds(server.pid) - before) / (rate * seconds) * 1e6)
+    tcp, ws = (sorted(rates[kind])[1] for kind in ("tcp", "websocket"))
+    tcp_us, ws_us = (sorted(server_us[kind])[1] for kind in ("tcp", "websocket"))
+    print()
+    print(
+        f"WebSocket ({clients} clients, g/r cycles, one request in flight, median of 3, one "
+        f"Python driver for both): TCP {tcp:,.0f} cycles/s ({tcp_us:.0f} µs server CPU per "
+        f"cycle), WebSocket {ws:,.0f} cycles/s ({ws_us:.0f} µs) = {ws / tcp:.2f}x"
+    )
 
 
 def scrape_rows(loadgen: Path, seconds: float) -> None:
