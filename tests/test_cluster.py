@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.request
 
+import pytest
 import trio
 
 from elockd.cluster.etcd_client import EtcdClient, prefix_end
@@ -19,6 +20,9 @@ from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, free_ports
 from tests.server_process import start_server, stop_server
 from tests.test_metrics import parse, tool, value
+
+#: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
+pytestmark = pytest.mark.cluster
 
 
 async def test_exclusive_across_nodes_and_fifo_handoff(nodes: Nodes) -> None:

@@ -18,12 +18,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import pytest
 import trio
 
 from elockd.cluster.etcd_client import EtcdClient
 from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
 from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, member_status
+
+#: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
+pytestmark = pytest.mark.cluster
 
 TTL = TEST_SESSION_TTL
 #: Sessions that outlive an outage or an election by far (the last --session-ttl wins).

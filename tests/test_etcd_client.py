@@ -35,6 +35,9 @@ from elockd.cluster.etcd_client import (
 )
 from tests.etcd_cluster import EtcdCluster, free_ports
 
+#: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
