@@ -1,0 +1,75 @@
+"""Waiting in tests, in one place.
+
+``eventually`` polls a condition until it holds. It is for what a test cannot be
+told about directly: a server noticing that a connection closed, a request joining
+a queue, a cluster node's copy of etcd catching up. A fixed sleep there would be a
+guess, too long on a quiet machine and too short on a busy one. The test's clock
+runs it: on a ``MockClock`` the polls cost nothing, on a real one they end as soon
+as the condition holds.
+
+``nothing_arrives`` does the opposite on purpose: it waits a fixed time to show
+that no reply comes meanwhile. That wait is the assertion, not a synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from tests.conftest import LineClient
+
+T = TypeVar("T")
+
+
+class NotInTime(AssertionError):
+    """``eventually`` gave up: the condition did not hold within its bound."""
+
+
+async def eventually(
+    check: Callable[[], Awaitable[T]] | Callable[[], T],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.01,
+    what: str = "",
+) -> T:
+    """Call ``check`` every ``interval`` seconds until it returns something true, and
+    return that. After ``timeout`` seconds fail with :class:`NotInTime`, naming
+    ``what`` (or the check) and the last value seen.
+
+    ``check`` is a plain or an async function. It may assert on what it sees, so a
+    state that must never show up fails at once instead of being waited out. A check
+    under way is not cut short at the bound (a client stays in step with its
+    replies); one that hangs is stopped at twice the bound.
+    """
+    deadline = trio.current_time() + timeout
+    with trio.fail_at(deadline + timeout):
+        while True:
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+            if result:
+                return result  # type: ignore[return-value]
+            if trio.current_time() >= deadline:
+                name = what or getattr(check, "__qualname__", repr(check))
+                raise NotInTime(f"not within {timeout} s: {name} (last: {result!r})")
+            await trio.sleep(interval)
+
+
+def eventually_blocking(
+    check: Callable[[], T], *, timeout: float = 10.0, interval: float = 0.01, what: str = ""
+) -> T:
+    """:func:`eventually` for a test that runs outside trio (blocking clients,
+    subprocesses): the same loop, in a trio run of its own."""
+    wait = functools.partial(eventually, check, timeout=timeout, interval=interval, what=what)
+    return trio.run(wait)
+
+
+async def nothing_arrives(client: LineClient, seconds: float) -> None:
+    """Fail if a reply line reaches ``client`` within ``seconds``."""
+    with trio.move_on_after(seconds):
+        line = await client.line()
+        raise AssertionError(f"unexpected reply {line!r}")
