@@ -270,6 +270,27 @@ async def test_try_mlock_is_all_or_nothing(nodes: Nodes) -> None:
         ]
 
 
+# -------------------------------------------------------------------- iam
+
+
+async def test_iam_names_a_hold_granted_just_before(nodes: Nodes) -> None:
+    """A try answers from its own txn, before the node's mirror has the new entry;
+    an ``iam`` right after must still rename that hold, on every node. Fifty rounds:
+    when ``iam`` read the mirror, about one in ten kept the address."""
+    a, b = nodes.start(), nodes.start()
+    observer = await b.connect()
+    with trio.fail_after(20):
+        for index in range(50):
+            client = await a.connect()
+            key, name = b"k%d" % index, b"worker-%d" % index
+            assert await client.request(b"g " + key) == b"1 Got Lock"
+            assert await client.request(b"iam " + name) == b"1 ok"
+            await client.send(b"d " + key + b"\n")
+            assert await client.lines_until_end() == [b"%s: %s\r\n" % (key, name), b"END\r\n"]
+            assert (await info_of(observer, key))[b"exclusive"] == name
+            await client.aclose()
+
+
 # ------------------------------------------------------------- disconnect
 
 
