@@ -68,6 +68,22 @@ def eventually_blocking(
     return trio.run(wait)
 
 
+async def stats_showing(client: LineClient, **counts: int) -> dict[str, int] | None:
+    """A check for :func:`eventually`: the ``q`` counters once they show ``counts``
+    (a cluster node counts keys from its copy of etcd's queues, a few ms behind)."""
+    values = await client.stats()
+    return values if all(values[name] == count for name, count in counts.items()) else None
+
+
+async def resumed(client: LineClient, session_id: bytes) -> bool:
+    """A check for :func:`eventually`: whether ``conn_id SESSION_ID`` on ``client``
+    takes the session over, which it may not until the server has seen the session's
+    connection end (any reply but those two fails)."""
+    reply = await client.request(b"conn_id " + session_id)
+    assert reply in (b"200 conn id set", b"403 cannot set conn id"), reply
+    return reply == b"200 conn id set"
+
+
 async def nothing_arrives(client: LineClient, seconds: float) -> None:
     """Fail if a reply line reaches ``client`` within ``seconds``."""
     with trio.move_on_after(seconds):
