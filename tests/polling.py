@@ -75,6 +75,19 @@ async def stats_showing(client: LineClient, **counts: int) -> dict[str, int] | N
     return values if all(values[name] == count for name, count in counts.items()) else None
 
 
+async def counted_stats(client: LineClient, **counts: int) -> tuple[dict[str, int], int]:
+    """The ``q`` counters once they show ``counts``, and how many ``q`` requests it
+    took to see them (each counts itself in ``command_q``)."""
+    reads = 0
+
+    async def read() -> dict[str, int] | None:
+        nonlocal reads
+        reads += 1
+        return await stats_showing(client, **counts)
+
+    return await eventually(read, what=f"q showing {counts}"), reads
+
+
 async def resumed(client: LineClient, session_id: bytes) -> bool:
     """A check for :func:`eventually`: whether ``conn_id SESSION_ID`` on ``client``
     takes the session over, which it may not until the server has seen the session's

@@ -7,7 +7,7 @@ import pytest
 
 from elockd.config import Config
 from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually, stats_showing
+from tests.polling import counted_stats, eventually, stats_showing
 
 ELOCKD, GLOCKD = "elockd", "glockd"
 
@@ -136,14 +136,7 @@ async def test_q_lists_every_counter_sorted(lock_server: RunningServer, clock: o
     await b.reply(b"sg k")
     await b.reply(b"sg j")
     await b.reply(b"ping")
-    reads = 0
-
-    async def counted() -> dict[str, int] | None:
-        nonlocal reads
-        reads += 1
-        return await stats_showing(a, locks=1, shared_locks=2)
-
-    values = await eventually(counted, what="the keys counted")
+    values, reads = await counted_stats(a, locks=1, shared_locks=2)
     assert list(values) == sorted(values)
     always = (
         "command_d command_dump command_g command_i command_q command_r command_sd "

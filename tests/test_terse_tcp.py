@@ -21,7 +21,7 @@ import trio
 from elockd.config import Config
 from elockd.server import GC_THRESHOLDS, tune_garbage_collector
 from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually, stats_showing
+from tests.polling import counted_stats, eventually, stats_showing
 
 SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
 
@@ -120,14 +120,7 @@ async def test_stats_deltas(lock_server: RunningServer, clock: object) -> None:
     await b.request(b"sg y")
     await b.request(b"si y")
     await b.request(b"bogus")
-    reads = 0
-
-    async def counted() -> dict[str, int] | None:
-        nonlocal reads
-        reads += 1
-        return await stats_showing(a, locks=1, shared_locks=1)
-
-    after = await eventually(counted, what="the keys counted")
+    after, reads = await counted_stats(a, locks=1, shared_locks=1)
     assert after["command_g"] - before["command_g"] == 2
     assert after["command_sg"] - before["command_sg"] == 2
     assert after["command_si"] - before["command_si"] == 1
