@@ -88,6 +88,21 @@ async def counted_stats(client: LineClient, **counts: int) -> tuple[dict[str, in
     return await eventually(read, what=f"q showing {counts}"), reads
 
 
+async def until_waiting(
+    client: LineClient, key: bytes, count: int = 1, *, timeout: float = 10.0
+) -> None:
+    """Until ``info KEY`` shows ``count`` requests waiting for ``key``: how a test
+    knows a request has queued before it sends the next one (a connection's
+    requests are answered in order, so a sent request alone tells nothing)."""
+
+    async def waiting() -> bool:
+        reply = await client.request(b"info " + key)
+        assert reply.startswith(b"200 "), reply
+        return b" waiting=%d " % count in reply
+
+    await eventually(waiting, timeout=timeout, what=f"{count} waiting for {key!r}")
+
+
 async def resumed(client: LineClient, session_id: bytes) -> bool:
     """A check for :func:`eventually`: whether ``conn_id SESSION_ID`` on ``client``
     takes the session over, which it may not until the server has seen the session's

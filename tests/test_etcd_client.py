@@ -34,6 +34,7 @@ from elockd.cluster.etcd_client import (
     range_op,
 )
 from tests.etcd_cluster import EtcdCluster, free_ports
+from tests.polling import eventually
 
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
 pytestmark = pytest.mark.cluster
@@ -247,9 +248,7 @@ async def test_unary_calls_reuse_keep_alive_connections(nursery: trio.Nursery) -
         await client.get(b"k")
     assert member.connections == 3 and member.requests == 32  # all kept, none new
     await client.aclose()
-    with trio.fail_after(1):
-        while member.open:  # aclose closed the idle ones
-            await trio.sleep(0.01)
+    await eventually(lambda: member.open == 0, timeout=1, what="aclose closed the idle ones")
 
 
 async def test_the_connection_cap_covers_every_endpoint(nursery: trio.Nursery) -> None:
@@ -273,9 +272,7 @@ async def test_the_connection_cap_covers_every_endpoint(nursery: trio.Nursery) -
     client._current = 1  # as after a failover
     await two_at_once()
     assert second.most_open == 2 and client._transport._open == 2
-    with trio.fail_after(1):
-        while first.open:  # closed to make room
-            await trio.sleep(0.01)
+    await eventually(lambda: first.open == 0, timeout=1, what="closed to make room")
     await client.aclose()
 
 
@@ -291,7 +288,8 @@ async def test_an_idle_connection_the_member_closed_is_not_used(nursery: trio.Nu
     client = EtcdClient([member.url, other.url])
     for _ in range(5):
         await client.put(b"k", b"v")
-        await trio.sleep(0.02)  # the FIN arrives while the connection is idle
+        # The member closes it (its FIN on the way) while the connection is idle.
+        await eventually(lambda: member.open == 0, timeout=1, what="the member closed it")
     assert client.endpoint == member.url and other.requests == 0
     assert member.connections == member.requests == 5
     await client.aclose()
@@ -344,9 +342,7 @@ async def test_a_member_hanging_mid_reply_loses_the_connection(nursery: trio.Nur
     assert 0.3 <= trio.current_time() - start < 1.0
     assert client.endpoint == good.url
     assert client._transport._idle.get(hung.url, []) == [] and client._transport._open == 1
-    with trio.fail_after(1):
-        while hung.open:  # the cancelled attempt closed its socket
-            await trio.sleep(0.01)
+    await eventually(lambda: hung.open == 0, timeout=1, what="the cancelled attempt closed")
     await client.aclose()
 
 

@@ -14,20 +14,11 @@ import trio
 
 from elockd.config import Config
 from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually, resumed, stats_showing
+from tests.polling import eventually, resumed, stats_showing, until_waiting
 
 
 async def pair(server: RunningServer) -> tuple[LineClient, LineClient]:
     return await server.connect(), await server.connect()
-
-
-async def until_waiting(client: LineClient, key: bytes, count: int = 1) -> None:
-    """Wait until ``count`` requests wait for ``key`` (as ``info`` tells)."""
-
-    async def waiting() -> bool:
-        return b" waiting=%d " % count in await client.reply(b"info " + key)
-
-    await eventually(waiting, what=f"{count} waiting for {key!r}")
 
 
 def seconds_left(info: bytes) -> float:

@@ -22,7 +22,7 @@ import trio
 
 from elockd.config import Config
 from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually, stats_showing
+from tests.polling import eventually, stats_showing, until_waiting
 
 SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
 
@@ -46,16 +46,6 @@ async def info(client: LineClient, key: bytes) -> dict[str, str]:
     return dict(field.split("=", 1) for field in reply[4:].split(" "))
 
 
-async def queued(watcher: LineClient, key: bytes, count: int) -> None:
-    """Until ``count`` requests wait for ``key`` (the server answers in order, so this
-    is how a test knows a waiter has queued before it sends the next one)."""
-
-    async def waiting() -> bool:
-        return int((await info(watcher, key))["waiting"]) == count
-
-    await eventually(waiting, what=f"{count} waiting for {key!r}")
-
-
 async def test_three_waiters_are_served_first_come_first_served(
     lock_server: RunningServer, clock: object
 ) -> None:
@@ -64,7 +54,7 @@ async def test_three_waiters_are_served_first_come_first_served(
     assert await holder.request(b"lock job") == b"200 Acquired"
     for count, waiter in enumerate(waiters, start=1):
         await waiter.send(b"lock job 30\n")
-        await queued(watcher, b"job", count)
+        await until_waiting(watcher, b"job", count)
     order: list[int] = []
     holding: list[int] = []  # from after a grant arrived to before its unlock is sent
 
@@ -93,11 +83,11 @@ async def test_a_waiter_that_disconnects_leaves_the_queue(
     holder, quitter, patient = [await lock_server.connect() for _ in range(3)]
     assert await holder.request(b"lock k") == b"200 Acquired"
     await quitter.send(b"lock k 30\n")
-    await queued(holder, b"k", 1)
+    await until_waiting(holder, b"k", 1)
     await patient.send(b"lock k 30\n")
-    await queued(holder, b"k", 2)
+    await until_waiting(holder, b"k", 2)
     await quitter.aclose()
-    await queued(holder, b"k", 1)
+    await until_waiting(holder, b"k", 1)
     assert await holder.request(b"unlock k") == b"200 Unlocked"
     assert await patient.line() == b"200 Acquired\r\n"
     assert (await info(holder, b"k"))["exclusive"] != "-"
@@ -198,9 +188,9 @@ async def test_semaphore_limit_is_never_exceeded_with_sg_in_the_mix(
     assert await a.request(b"lock_shared api limit=2") == b"200 1"
     assert await b.request(b"sg api") == b"2 Got Lock"
     await c.send(b"lock_shared api 30 limit=2\n")
-    await queued(a, b"api", 1)
+    await until_waiting(a, b"api", 1)
     await d.send(b"lock_shared api 30 limit=3\n")
-    await queued(a, b"api", 2)
+    await until_waiting(a, b"api", 2)
     # One release hands over to c (2 of its 2), then to d (3 of its 3), in order.
     assert await a.request(b"unlock_shared api") == b"200 3"
     assert await c.line() == b"200 2\r\n"
@@ -240,9 +230,9 @@ async def test_mlock_waiter_is_not_starved_by_single_key_requests(
     hog, multi, stream = [await lock_server.connect() for _ in range(3)]
     assert await hog.request(b"lock hot") == b"200 Acquired"
     await multi.send(b"mlock hot cold wait=30\n")
-    await queued(hog, b"hot", 1)
+    await until_waiting(hog, b"hot", 1)
     await stream.send(b"lock hot 30\n")
-    await queued(hog, b"hot", 2)
+    await until_waiting(hog, b"hot", 2)
     assert await hog.request(b"unlock hot") == b"200 Unlocked"
     assert await multi.line() == b"200 Acquired\r\n"
     assert await multi.request(b"unlock_all") == b"200 OK"
@@ -263,7 +253,7 @@ async def test_waiters_per_key_limit(lock_server: RunningServer, clock: object) 
     holder, first, second = [await lock_server.connect() for _ in range(3)]
     assert await holder.request(b"lock k") == b"200 Acquired"
     await first.send(b"lock k 30\n")
-    await queued(holder, b"k", 1)
+    await until_waiting(holder, b"k", 1)
     assert await second.request(b"lock k 30") == b"413 Too Many Waiters"
     assert await second.request(b"mlock j k wait=30") == b"413 Too Many Waiters"
     assert (await info(holder, b"j"))["exclusive"] == "-"
@@ -288,7 +278,7 @@ async def test_requests_after_a_waiting_lock_wait_for_it(
     assert await holder.request(b"lock k") == b"200 Acquired"
     await waiter.send(b"ping\nlock k 10\nping\n")
     assert await waiter.line() == b"200 PONG\r\n"
-    await queued(holder, b"k", 1)
+    await until_waiting(holder, b"k", 1)
     assert await holder.request(b"unlock k") == b"200 Unlocked"
     assert await waiter.line() == b"200 Acquired\r\n"
     assert await waiter.line() == b"200 PONG\r\n"
