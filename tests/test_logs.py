@@ -76,8 +76,14 @@ async def test_info_has_the_orphans_and_nothing_per_request(
 
 
 async def test_a_failed_auth_is_a_warning_with_the_peer(
-    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A throttle of its own: a failed auth of an earlier test within 10 s would
+    # hold this one's warning back.
+    monkeypatch.setattr(logs, "_auth_failure_warning", LogThrottle(logs.log, logging.WARNING))
     token = tmp_path / "token"
     token.write_text("right\n")
     port = await start(nursery, Config(auth_token_file=str(token)))
