@@ -172,8 +172,8 @@ async def test_grace_ends_frees_holds_as_orphans_and_refuses_the_id(
     assert await first.request(b"set_timeout 500") == b"200 timeout set"
     assert await first.request(b"lock k") == b"200 Acquired"
     session_id = (await first.request(b"conn_id"))[4:]
+    start = trio.current_time()  # the grace starts once the server sees the close
     await first.aclose()
-    start = trio.current_time()
     assert await watcher.request(b"lock k 10") == b"200 Acquired"
     took(backend, trio.current_time() - start, 0.5)
     assert (await watcher.stats())["orphans"] == 1
