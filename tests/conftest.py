@@ -138,6 +138,19 @@ async def server(nursery: trio.Nursery, server_config: Config) -> AsyncIterator[
         await client.aclose()
 
 
+#: Fixtures that start (or reach) a real etcd cluster.
+ETCD_FIXTURES = frozenset({"etcd", "shared_etcd", "nodes"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs etcd must be marked ``cluster``, or ``-m "not cluster"``
+    would start etcd after all (or fail where there is none)."""
+    for item in items:
+        uses = ETCD_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if uses and item.get_closest_marker("cluster") is None:
+            raise pytest.UsageError(f"{item.nodeid} uses {sorted(uses)} but is not marked cluster")
+
+
 BACKENDS = ["memory", pytest.param("cluster", marks=pytest.mark.cluster)]
 
 

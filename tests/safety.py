@@ -25,8 +25,9 @@ How the records stay honest (no false alarms, no help from the server):
 
 What is checked (:func:`check`): no two exclusive holders of a key overlap; never
 more than ``limit`` shared holders of a key; fencing tokens strictly increase per key
-in grant order and are unique (except that the keys of one ``mlock`` may share
-one token, as a cluster's do); a plain hold is never lost (its release succeeds); a
+in grant order and are unique, also across the keys of one ``mlock`` (every grant
+has a token of its own, on a cluster too); a plain hold is never lost (its release
+succeeds); a
 lease is never freed before its ttl; no client saw a malformed reply or a stall. After
 the run, :func:`final_state_problems` checks, on every node, that every freed hold
 was re-grantable: the server reports nothing held, waiting or leased, and a fresh
@@ -472,7 +473,6 @@ class Interval:
     end: float
     token: int | None
     limit: int | None
-    grant: str = ""  # the request that granted it: the keys of one mlock share it
 
 
 def intervals(records: list[Record], kills: dict[str, float], report: Report) -> list[Interval]:
@@ -539,7 +539,7 @@ def intervals(records: list[Record], kills: dict[str, float], report: Report) ->
         found.append(
             Interval(
                 hold_id, grant["key"], grant["shared"], grant["t"], end, grant["token"],
-                grant["limit"], f"{grant['client']}@{grant['sent']!r}",
+                grant["limit"],
             )
         )  # fmt: skip
     return found
@@ -551,7 +551,7 @@ def check(records: list[Record], kills: dict[str, float], report: Report) -> Non
     by_key: dict[tuple[str, bool], list[Interval]] = defaultdict(list)
     for hold in holds:
         by_key[(hold.key, hold.shared)].append(hold)
-    seen_tokens: dict[int, tuple[str, str]] = {}  # token -> (hold, grant)
+    seen_tokens: dict[int, str] = {}  # token -> hold
     for (key, shared), key_holds in sorted(by_key.items()):
         key_holds.sort(key=lambda h: h.start)
         if shared:
@@ -567,18 +567,18 @@ def check(records: list[Record], kills: dict[str, float], report: Report) -> Non
             if latest is None or hold.end > latest.end:
                 latest = hold
         # Recorded starts lie inside disjoint true holds, so they are in grant order.
-        tokens = [(h.token, h.hold, h.grant) for h in key_holds if h.token is not None]
-        for (before, first, _), (after, second, _) in itertools.pairwise(tokens):
+        tokens = [(h.token, h.hold) for h in key_holds if h.token is not None]
+        for (before, first), (after, second) in itertools.pairwise(tokens):
             if after <= before:
                 report.violations.append(
                     f"token on {key} went from {before} ({first}) to {after} ({second})"
                 )
-        for token, hold_id, grant in tokens:
+        for token, hold_id in tokens:
             if token in seen_tokens:
-                earlier, earlier_grant = seen_tokens[token]
-                if earlier_grant != grant:  # not two keys of one mlock
-                    report.violations.append(f"token {token} given to {earlier} and {hold_id}")
-            seen_tokens[token] = (hold_id, grant)
+                report.violations.append(
+                    f"token {token} given to {seen_tokens[token]} and {hold_id}"
+                )
+            seen_tokens[token] = hold_id
 
 
 def check_shared(key: str, key_holds: list[Interval], report: Report) -> None:

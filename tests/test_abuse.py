@@ -32,6 +32,7 @@ from elockd.protocol import Connection, Streamed
 from elockd.server import make_service, serve_stream
 from elockd.serving import REPLY_FLUSH_BYTES
 from tests.conftest import LineClient, RunningServer
+from tests.polling import eventually, eventually_blocking, stats_showing
 from tests.sansio import memory_service
 
 SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
@@ -106,10 +107,7 @@ async def test_half_close_gets_every_reply_then_the_session_ends(server: Running
         b"1 Locked\r\n",
     ]
     assert await client.at_eof()
-    with trio.fail_after(5):
-        while (await other.stats())["connections"] != 1:
-            await trio.sleep(0.01)
-    stats = await other.stats()
+    stats = await eventually(lambda: stats_showing(other, connections=1), what="the session end")
     assert (stats["locks"], stats["shared_locks"], stats["orphans"]) == (0, 0, 2)
 
 
@@ -146,13 +144,14 @@ async def test_a_burst_of_connections_is_held_to_max_connections(server: Running
     assert all([await c.at_eof() for c in refused])
     for client in clients:
         await client.aclose()
+
     # Slots come back when connections end: a new client gets in.
-    with trio.fail_after(5):
-        while True:
-            again = await server.connect()
-            if await again.request(b"ping") == b"200 PONG":
-                break
-            await trio.sleep(0.01)
+    async def let_in() -> bool:
+        reply = await (await server.connect()).request(b"ping")
+        assert reply in (b"200 PONG", b"0 Too Many Connections"), reply
+        return reply == b"200 PONG"
+
+    await eventually(let_in, what="a slot for a new connection")
 
 
 async def test_a_reply_flood_is_sent_in_bounded_batches(nursery: trio.Nursery) -> None:
@@ -289,15 +288,6 @@ def stats(port: int) -> dict[str, int]:
     return {name: int(value) for name, _, value in (line.partition(": ") for line in lines)}
 
 
-def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> float:
-    """Poll until ``condition`` holds; how long it took. Fails after ``seconds``."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < seconds, f"not within {seconds} s: {what}"
-        time.sleep(0.02)
-    return time.monotonic() - started
-
-
 def test_ten_megabyte_lines_keep_memory_flat(spawn_server: SpawnServer) -> None:
     process, port = spawn_server()
     before = memory_kb(process.pid)
@@ -346,7 +336,7 @@ def test_flood_of_slowloris_connections_past_max_connections(spawn_server: Spawn
                         replies[sock] = sock.recv(64, socket.MSG_DONTWAIT)
             return len(replies) >= 600 - 199
 
-        wait_until(all_refusals_arrived, 10, "the refusals")
+        eventually_blocking(all_refusals_arrived, timeout=10, interval=0.02, what="the refusals")
         refused = sum(reply == b"0 Too Many Connections\r\n" for reply in replies.values())
         elapsed = time.monotonic() - started
         held = memory_kb(process.pid) - before
@@ -374,7 +364,9 @@ def test_flood_of_slowloris_connections_past_max_connections(spawn_server: Spawn
     # They all asked for the same key: whichever line the server read first got it.
     assert sorted(answers) == [b"0 Cannot Get Lock\r\n"] * 198 + [b"1 Got Lock\r\n"]
     assert p99(probe.latencies) < 1.0
-    wait_until(lambda: stats(port)["connections"] == 1, 10, "flood connections to end")
+    eventually_blocking(
+        lambda: stats(port)["connections"] == 1, timeout=10, what="flood connections to end"
+    )
 
 
 def test_pipeliner_that_never_reads_is_throttled_then_dropped(spawn_server: SpawnServer) -> None:
@@ -398,8 +390,14 @@ def test_pipeliner_that_never_reads_is_throttled_then_dropped(spawn_server: Spaw
         writer = threading.Thread(target=pipeline)
         started = time.monotonic()
         writer.start()
-        wait_until(lambda: stats(port)["command_ping"] > 0, 10, "the hog to be served")
-        dropped = wait_until(lambda: stats(port)["connections"] == 2, 15, "the hog to be dropped")
+        eventually_blocking(
+            lambda: stats(port)["command_ping"] > 0, timeout=10, what="the hog to be served"
+        )
+        served = time.monotonic()
+        eventually_blocking(
+            lambda: stats(port)["connections"] == 2, timeout=15, what="the hog to be dropped"
+        )
+        dropped = time.monotonic() - served
         writer.join(30)
     answered = stats(port)["command_ping"] - len(probe.latencies)
     growth = memory_kb(process.pid, "VmHWM") - before
@@ -444,7 +442,7 @@ def test_sigterm_under_load_exits_zero_promptly(spawn_server: SpawnServer) -> No
     for thread in threads:
         thread.start()
     try:
-        wait_until(lambda: sum(done) >= 500, 20, "clients to get going")
+        eventually_blocking(lambda: sum(done) >= 500, timeout=20, what="clients to get going")
         assert stats(port)["connections"] >= 25
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)

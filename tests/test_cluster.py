@@ -11,14 +11,19 @@ import subprocess
 import time
 import urllib.request
 
+import pytest
 import trio
 
 from elockd.cluster.etcd_client import EtcdClient, prefix_end
 from tests.cluster_nodes import Node, Nodes
 from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, free_ports
+from tests.polling import eventually, nothing_arrives, resumed, stats_showing, until_waiting
 from tests.server_process import start_server, stop_server
 from tests.test_metrics import parse, tool, value
+
+#: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
+pytestmark = pytest.mark.cluster
 
 
 async def test_exclusive_across_nodes_and_fifo_handoff(nodes: Nodes) -> None:
@@ -28,7 +33,7 @@ async def test_exclusive_across_nodes_and_fifo_handoff(nodes: Nodes) -> None:
     assert await second.request(b"g job") == b"0 Cannot Get Lock"
     first_token = int((await first.request(b"token job")).split()[1])
     await second.send(b"lock job 5\n")
-    await trio.sleep(0.2)
+    await until_waiting(first, b"job")
     assert await first.request(b"unlock job") == b"200 Unlocked"
     start = trio.current_time()
     assert await second.line() == b"200 Acquired\r\n"
@@ -62,14 +67,6 @@ async def named(node: Node, name: bytes) -> LineClient:
     return client
 
 
-async def nothing_arrives(client: LineClient, seconds: float = 0.15) -> bool:
-    """True if no reply line reaches ``client`` within ``seconds``."""
-    with trio.move_on_after(seconds):
-        line = await client.line()
-        raise AssertionError(f"unexpected reply {line!r}")
-    return True
-
-
 async def etcd_keys(etcd: EtcdCluster, prefix: bytes) -> list[bytes]:
     """Every key under ``prefix`` in etcd, read directly (not through a node)."""
     client = EtcdClient(etcd.endpoints)
@@ -93,7 +90,7 @@ async def test_fifo_order_and_increasing_tokens_over_two_nodes(nodes: Nodes) -> 
         waiter = await named((b, a)[i % 2], b"w%d" % i)
         await waiter.send(b"lock K 10\n")
         waiters.append(waiter)
-        await trio.sleep(0.1)  # each enqueue lands before the next one starts
+        await until_waiting(holder, b"K", i + 1)  # each lands before the next is sent
     with trio.fail_after(5):
         info = await info_of(holder, b"K")
         assert (info[b"exclusive"], info[b"waiting"]) == (b"holder", b"4")
@@ -102,7 +99,7 @@ async def test_fifo_order_and_increasing_tokens_over_two_nodes(nodes: Nodes) -> 
             assert await releasing.request(b"unlock K") == b"200 Unlocked"
             assert await waiter.line() == b"200 Acquired\r\n"
             for later in waiters[i + 1 :]:
-                assert await nothing_arrives(later, 0.02)
+                await nothing_arrives(later, 0.02)
             info = await info_of(waiter, b"K")
             assert info[b"exclusive"] == b"w%d" % i
             assert info[b"waiting"] == b"%d" % (3 - i)
@@ -122,7 +119,7 @@ async def test_shared_with_limit_and_unlimited_across_nodes(nodes: Nodes) -> Non
         assert await s1.request(b"lock_shared K 5 limit=2") == b"200 1"
         assert await s2.request(b"lock_shared K 5 limit=2") == b"200 2"
         await s3.send(b"lock_shared K 5 limit=2\n")
-        assert await nothing_arrives(s3, 0.3)
+        await nothing_arrives(s3, 0.3)
         assert (await info_of(s1, b"K"))[b"waiting"] == b"1"
         assert await s1.request(b"unlock_shared K") == b"200 2"
         assert await s3.line() == b"200 2\r\n"
@@ -157,15 +154,14 @@ async def test_multi_key_waiter_is_served_before_a_later_single_key_waiter(nodes
     with trio.fail_after(5):
         assert await first.request(b"lock x") == b"200 Acquired"
         await second.send(b"mlock x y wait=5\n")
-        await trio.sleep(0.1)
+        await until_waiting(first, b"x")
         await third.send(b"lock y 5\n")
-        await trio.sleep(0.1)
+        await until_waiting(first, b"y")  # behind B, the head of y that does not hold it
         # B waits for x and is queued on y ahead of C, so C does not get the free y.
-        assert await nothing_arrives(third, 0.1)
-        assert (await info_of(first, b"y"))[b"waiting"] == b"1"
+        await nothing_arrives(third, 0.1)
         assert await first.request(b"unlock x") == b"200 Unlocked"
         assert await second.line() == b"200 Acquired\r\n"
-        assert await nothing_arrives(third, 0.15)
+        await nothing_arrives(third, 0.15)
         token_x, token_y = await token_of(second, b"x"), await token_of(second, b"y")
         assert token_y == token_x + 1  # one request: its keys ranked in byte order
         assert await second.request(b"unlock_all") == b"200 OK"
@@ -227,7 +223,7 @@ async def test_wait_timeout_leaves_no_entry_behind(nodes: Nodes) -> None:
         assert (await waiter.stats())["timeouts"] == 1
         later = await a.connect()
         await later.send(b"lock K 5\n")
-        await trio.sleep(0.1)
+        await until_waiting(holder, b"K")
         assert await holder.request(b"unlock K") == b"200 Unlocked"
         start = trio.current_time()
         assert await later.line() == b"200 Acquired\r\n"
@@ -266,6 +262,27 @@ async def test_try_mlock_is_all_or_nothing(nodes: Nodes) -> None:
         ]
 
 
+# -------------------------------------------------------------------- iam
+
+
+async def test_iam_names_a_hold_granted_just_before(nodes: Nodes) -> None:
+    """A try answers from its own txn, before the node's mirror has the new entry;
+    an ``iam`` right after must still rename that hold, on every node. Fifty rounds:
+    when ``iam`` read the mirror, about one in ten kept the address."""
+    a, b = nodes.start(), nodes.start()
+    observer = await b.connect()
+    with trio.fail_after(20):
+        for index in range(50):
+            client = await a.connect()
+            key, name = b"k%d" % index, b"worker-%d" % index
+            assert await client.request(b"g " + key) == b"1 Got Lock"
+            assert await client.request(b"iam " + name) == b"1 ok"
+            await client.send(b"d " + key + b"\n")
+            assert await client.lines_until_end() == [b"%s: %s\r\n" % (key, name), b"END\r\n"]
+            assert (await info_of(observer, key))[b"exclusive"] == name
+            await client.aclose()
+
+
 # ------------------------------------------------------------- disconnect
 
 
@@ -279,9 +296,8 @@ async def test_disconnect_frees_holds_and_waits_at_once(nodes: Nodes) -> None:
         assert await holder.request(b"sg S") == b"1 Got Lock"
         await holder.send(b"lock Z 10\n")  # the holder also waits, on Z
         await waiter.send(b"lock K 5\n")
-        await trio.sleep(0.2)
-        assert (await info_of(blocker, b"Z"))[b"waiting"] == b"1"
-        assert (await info_of(blocker, b"K"))[b"waiting"] == b"1"
+        await until_waiting(blocker, b"Z")
+        await until_waiting(blocker, b"K")
         await holder.aclose()
         start = trio.current_time()
         assert await waiter.line() == b"200 Acquired\r\n"
@@ -325,7 +341,6 @@ async def test_tokens_start_above_the_recorded_floor(nodes: Nodes, etcd: EtcdClu
             assert await old.request(b"lock K") == b"200 Acquired"
             old_token = await token_of(old, b"K")
         assert old_token > first_token  # the wall clock in ns is above 10**18 + 12345
-        await trio.sleep(0.01)
         new = await later.start().connect()
         with trio.fail_after(5):
             assert await new.request(b"lock K") == b"200 Acquired"
@@ -402,14 +417,14 @@ async def test_conn_id_takes_over_a_session_of_a_dead_node(nodes: Nodes) -> None
     a.kill()
     killed = trio.current_time()
     heir = await b.connect()
-    with trio.fail_after(6):
-        while True:
-            reply = await heir.request(b"conn_id " + session_id)
-            if reply == b"200 conn id set":
-                break
-            assert reply == b"403 cannot set conn id"
-            assert await other.request(b"g K") == b"0 Cannot Get Lock"
-            await trio.sleep(0.1)
+
+    async def taken_over() -> bool:  # and until then, nobody else gets K
+        if await resumed(heir, session_id):
+            return True
+        assert await other.request(b"g K") == b"0 Cannot Get Lock"
+        return False
+
+    await eventually(taken_over, timeout=6, interval=0.1)
     # Taken over before the session's lease (6 s) could have run out.
     assert trio.current_time() - killed < 5.5
     with trio.fail_after(5):
@@ -538,15 +553,15 @@ async def test_a_paused_node_cannot_free_a_session_taken_over_elsewhere(nodes: N
     a.stop()
     await old.aclose()  # the client gives up on the frozen node
     heir, other = await b.connect(), await b.connect()
-    with trio.fail_after(7):  # A's heartbeat (4 s) runs out, its session (8 s) not
-        while (reply := await heir.request(b"conn_id " + session_id)) != b"200 conn id set":
-            assert reply == b"403 cannot set conn id"
-            await trio.sleep(0.1)
+    # A's heartbeat (4 s) runs out, its session (8 s) not.
+    await eventually(lambda: resumed(heir, session_id), timeout=7, interval=0.1)
     a.cont()
     with trio.fail_after(5):
         probe = await a.connect()  # A answers again: it has run its backlog
         assert await probe.request(b"ping") == b"200 PONG"
-        await trio.sleep(1.5)  # A has seen the old connection end, and run a keepalive
+        # A while for A to go wrong, if it would: it sees the old connection end and
+        # runs a keepalive meanwhile, and neither may free what the heir holds.
+        await trio.sleep(1.5)
         assert await other.request(b"g K") == b"0 Cannot Get Lock"
         assert await token_of(heir, b"K") == token
         assert await heir.request(b"unlock K") == b"200 Unlocked"
@@ -562,10 +577,14 @@ async def test_sigterm_frees_the_locks_of_connected_clients_at_once(nodes: Nodes
             assert await holder.request(b"lock K%d" % index) == b"200 Acquired"
     a.process.terminate()
     start = trio.current_time()
-    with trio.fail_after(3):  # not the 10 s session TTL
-        for index in range(3):
-            while await observer.request(b"g K%d" % index) != b"1 Got Lock":
-                await trio.sleep(0.02)
+    left = [b"K0", b"K1", b"K2"]
+
+    async def all_taken() -> bool:
+        while left and await observer.request(b"g " + left[0]) == b"1 Got Lock":
+            left.pop(0)
+        return not left
+
+    await eventually(all_taken, timeout=3, interval=0.02)  # not after the 10 s session TTL
     assert trio.current_time() - start < 2
     assert a.process.wait(timeout=5) == 0
 
@@ -583,9 +602,8 @@ async def test_q_and_metrics_show_node_counters_and_cluster_counts(nodes: Nodes)
         assert await there.request(b"lock_shared S 0 limit=3") == b"200 1"
         assert await here.request(b"lock_shared S 0 limit=3") == b"200 2"
         assert await here.request(b"lock K 0.2") == b"409 Unavailable"
-        while (await here.stats())["locks"] != 1:  # the mirror trails etcd by a few ms
-            await trio.sleep(0.01)
-        stats = await here.stats()
+        # The mirror trails etcd by a few ms.
+        stats = await eventually(lambda: stats_showing(here, locks=1), what="the lock counted")
     # Cluster-wide: the lock taken through the other node. This node's own: its
     # one timeout, its one connection, no unavailability.
     assert (stats["locks"], stats["shared_locks"], stats["shared_holders"]) == (1, 1, 2)
@@ -627,10 +645,11 @@ async def test_many_holds_are_freed_and_taken_over_whole(nodes: Nodes) -> None:
         session_id = (await other.request(b"conn_id")).split()[1]
         await other.aclose()
         heir, probe = await a.connect(), await a.connect()
-        while (reply := await heir.request(b"conn_id " + session_id)) != b"200 conn id set":
-            assert reply == b"403 cannot set conn id"  # until B has written "disconnected"
-            await trio.sleep(0.05)
-        await trio.sleep(2.5)  # a keepalive round and its sweep on A
+        # Once B has written "disconnected".
+        await eventually(lambda: resumed(heir, session_id), interval=0.05)
+        # A while for A to go wrong, if it would: a keepalive round and its stray
+        # sweep, which must not take the entries the takeover adopted.
+        await trio.sleep(2.5)
         await probe.send(b"".join(b"g %s\n" % key for key in keys))
         assert {await probe.line() for _ in keys} == {b"0 Cannot Get Lock\r\n"}
         await heir.send(b"".join(b"token %s\n" % key for key in keys))
@@ -662,5 +681,8 @@ async def test_repeats_renew_of_shared_and_quit_follow_protocol(nodes: Nodes) ->
         # The ttl= leases outlive the connection, as on one server; nothing else does.
         assert await other.request(b"g K") == b"0 Cannot Get Lock"
         assert await other.request(b"lock_shared S 0 limit=1") == b"409 1"
-        while await other.request(b"g P") != b"1 Got Lock":  # freed as an orphan
-            await trio.sleep(0.02)
+
+        async def freed() -> bool:  # as an orphan
+            return await other.request(b"g P") == b"1 Got Lock"
+
+        await eventually(freed, interval=0.02)

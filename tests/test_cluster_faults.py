@@ -13,17 +13,23 @@ watch starts there too.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import pytest
 import trio
 
 from elockd.cluster.etcd_client import EtcdClient
 from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
 from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, member_status
+from tests.polling import NotInTime, eventually, until_waiting
+
+#: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
+pytestmark = pytest.mark.cluster
 
 TTL = TEST_SESSION_TTL
 #: Sessions that outlive an outage or an election by far (the last --session-ttl wins).
@@ -51,12 +57,6 @@ async def info(client: LineClient, key: bytes) -> dict[str, bytes]:
     return dict(part.split(b"=", 1) for part in reply[4:].split(b" "))
 
 
-async def until_waiting(client: LineClient, key: bytes, count: int) -> None:
-    """Until etcd shows ``count`` requests queued on ``key`` (bounded by the caller)."""
-    while int((await info(client, key))[b"waiting"]) != count:
-        await trio.sleep(0.02)
-
-
 async def closed_by_server(client: LineClient, allowed: bytes) -> bool:
     """Reads until the server closes the connection; True if it sent nothing but
     ``allowed`` lines before (a reset after unread input counts as a close)."""
@@ -71,29 +71,44 @@ async def closed_by_server(client: LineClient, allowed: bytes) -> bool:
 async def still_held(client: LineClient, keys: list[bytes], seconds: float) -> dict[bytes, bytes]:
     """Keys that ``client`` could not take within ``seconds``, with ``info`` on each
     (it keeps the ones it takes)."""
-    waiting = list(keys)
-    deadline = trio.current_time() + seconds
-    with trio.fail_after(seconds + 10):
-        while waiting and trio.current_time() < deadline:  # never cut a request short
-            for key in list(waiting):
-                reply = await client.request(b"g " + key)
-                if reply == b"1 Got Lock":
-                    waiting.remove(key)
-                elif reply not in (b"0 Cannot Get Lock", b"0 Backend Unavailable"):
-                    raise AssertionError(f"g {key!r}: {reply!r}")
-            await trio.sleep(0.1)
-        return {key: await client.request(b"info " + key) for key in waiting}
+    left = list(keys)
+
+    async def all_taken() -> bool:
+        for key in list(left):
+            reply = await client.request(b"g " + key)
+            if reply == b"1 Got Lock":
+                left.remove(key)
+            else:
+                assert reply in (b"0 Cannot Get Lock", b"0 Backend Unavailable"), (key, reply)
+        return not left
+
+    with contextlib.suppress(NotInTime):
+        await eventually(all_taken, timeout=seconds, interval=0.1)
+    return {key: await client.request(b"info " + key) for key in left}
 
 
 async def until_leaderless(etcd: EtcdCluster, name: str) -> None:
     """Until member ``name`` reports no leader: from then on it drops every write
     instead of passing it on (bounded by the caller)."""
     url = etcd.members[name].url
-    while True:
+
+    async def leaderless() -> bool:
         status = await trio.to_thread.run_sync(member_status, url)
-        if status is not None and int(status.get("leader", 0)) == 0:
-            return
-        await trio.sleep(0.1)
+        return status is not None and int(status.get("leader", 0)) == 0
+
+    await eventually(leaderless, interval=0.1, what=f"etcd member {name} without a leader")
+
+
+async def until_served(client: LineClient) -> None:
+    """Until the node grants again after an outage (refusing with Backend Unavailable
+    until then), bounded by the caller."""
+
+    async def granted() -> bool:
+        reply = await client.request(b"g ok")
+        assert reply in (b"1 Got Lock", b"0 Backend Unavailable"), reply
+        return reply == b"1 Got Lock"
+
+    await eventually(granted, timeout=15, interval=0.2, what="a grant after the outage")
 
 
 async def stats(client: LineClient) -> dict[str, int]:
@@ -391,9 +406,7 @@ async def test_without_quorum_requests_fail_closed_and_recover(nodes: Nodes) -> 
     # It recovers by itself: a new client of that node is served again.
     with trio.fail_after(15):
         probe = await node.connect()
-        while (reply := await probe.request(b"g ok")) != b"1 Got Lock":
-            assert reply == b"0 Backend Unavailable", reply
-            await trio.sleep(0.2)
+        await until_served(probe)
         assert (await stats(probe))["backend_unavailable"] > 0
     # Nothing was granted, not even late: a client of the other node takes every
     # refused key (a refused write that committed after all would hold its key
@@ -446,9 +459,7 @@ async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
             etcd.cont(name)
     with trio.fail_after(15):
         probe = await node.connect()
-        while (reply := await probe.request(b"g ok")) != b"1 Got Lock":
-            assert reply == b"0 Backend Unavailable", reply
-            await trio.sleep(0.2)
+        await until_served(probe)
         assert await unlocker.request(b"unlock_all") == b"200 OK"  # the client retries
         assert await leaser.request(b"token T") == b"403 Not Locked"  # its lease ran out
         assert await single.request(b"token S1") == b"403 Not Locked"  # let go here

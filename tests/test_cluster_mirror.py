@@ -36,12 +36,12 @@ def put(
     """An entry created at ``revision``; with ``marked_at``, its mark as held then."""
     value = entry_value(limit, None, b"o", held=bool(marked_at))
     kv = KeyValue(LAYOUT.entry(kind, key, lease), value, revision, marked_at or revision, lease)
-    return Event("PUT", kv, None)
+    return Event("PUT", kv)
 
 
 def delete(kind: bytes, key: bytes, lease: int, revision: int) -> Event:
     kv = KeyValue(LAYOUT.entry(kind, key, lease), b"", 0, revision, 0)
-    return Event("DELETE", kv, None)
+    return Event("DELETE", kv)
 
 
 def test_exclusive_handoff_is_fifo() -> None:

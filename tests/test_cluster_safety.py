@@ -16,8 +16,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.cluster_nodes import Nodes
 from tests.safety import run
+
+#: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
+pytestmark = pytest.mark.cluster
 
 
 def test_no_violation_across_two_nodes_under_random_kills(nodes: Nodes, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from elockd.client import BlockingClient
 from tests.foreign_service import foreign_service
+from tests.polling import eventually_blocking
 from tests.server_process import start_server, stop_server
 
 CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
@@ -178,11 +179,8 @@ def test_nagios_check_ok_warning_critical(port: int, tmp_path: Path) -> None:
         with socket.create_connection(("127.0.0.1", port)) as crashing:
             crashing.sendall(b"g orphan-%d\n" % index)
             assert crashing.recv(100) == b"1 Got Lock\r\n"
-    with BlockingClient(port=port) as client:  # a round trip: the orphans are counted
-        deadline = time.monotonic() + 5
-        while client.stats()["connections"] > 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+    with BlockingClient(port=port) as client:  # once their ends are seen, orphans count
+        eventually_blocking(lambda: client.stats()["connections"] == 1, timeout=5)
     orphaned = check(port, *state, "--orphans-critical", "1")
     assert orphaned.returncode == 2, orphaned.stdout
     assert "orphans_per_min=" in orphaned.stdout

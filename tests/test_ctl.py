@@ -14,7 +14,6 @@ import pty
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +24,7 @@ from elockd import ctl, ctl_args, ctl_lock
 from elockd.client import BlockingClient
 from elockd.ctl_status import EXIT_ERROR, EXIT_FALSE, EXIT_LOST, EXIT_USAGE
 from tests.foreign_service import foreign_service
+from tests.polling import eventually_blocking
 from tests.server_process import start_server, stop_server
 
 
@@ -49,12 +49,26 @@ def python(code: str, path: Path) -> list[str]:
 
 
 def wait_for_file(path: Path, timeout: float = 10) -> str:
-    """Poll for a file the child writes when it is ready (a condition, not a nap)."""
-    deadline = time.monotonic() + timeout
-    while not path.exists() or not path.read_text():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
-    return path.read_text()
+    """The text of a file the child writes when it is ready, once it has some."""
+    text = eventually_blocking(
+        lambda: path.exists() and path.read_text(),
+        timeout=timeout,
+        interval=0.02,
+        what=f"{path} written",
+    )
+    return str(text)
+
+
+def until_waiting_on(
+    holder: BlockingClient, key: str, process: subprocess.Popen[str] | subprocess.Popen[bytes]
+) -> None:
+    """Until ``process``, an elockctl that must still run, waits for ``key`` on the server."""
+
+    def waits() -> bool:
+        assert process.poll() is None, process.communicate()
+        return holder.info(key).waiting >= 1
+
+    eventually_blocking(waits, timeout=20, interval=0.02, what=f"elockctl waiting for {key}")
 
 
 def test_probes_exit_zero_when_the_leading_integer_is_not_zero(
@@ -437,11 +451,7 @@ def test_lock_exits_3_when_the_server_stops_while_it_waits() -> None:
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            deadline = time.monotonic() + 20
-            while holder.info("ctl-stopping").waiting < 1:  # it waits on the server now
-                assert waiting.poll() is None, waiting.communicate()
-                assert time.monotonic() < deadline, "elockctl never waited"
-                time.sleep(0.02)
+            until_waiting_on(holder, "ctl-stopping", waiting)
             server.kill()
             server.wait()
             _, err = waiting.communicate(timeout=20)
@@ -484,10 +494,7 @@ def test_wait_gives_up_with_the_conflict_code_or_gets_the_lock(port: int, tmp_pa
         waiting = subprocess.Popen(
             elockctl(port, "lock", "-w", "30", "ctl-w", "-c", f"echo ran > {done}")
         )
-        deadline = time.monotonic() + 20
-        while holder.info("ctl-w").waiting < 1:
-            assert waiting.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+        until_waiting_on(holder, "ctl-w", waiting)
         assert not done.exists()  # it waits for the lock before running
         holder.release(hold)
         assert waiting.wait(timeout=30) == 0

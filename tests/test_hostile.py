@@ -25,6 +25,7 @@ import trio
 
 from tests.hostile_tools import free_port, latency_probe, rss_bytes
 from tests.netns import client_host, why_namespaces_cannot_be_made
+from tests.polling import eventually
 from tests.server_process import start_server, stop_server
 
 MB = 1 << 20
@@ -100,6 +101,16 @@ async def counters(port: int) -> dict[str, int]:
     return {name: int(value) for name, value in pairs}
 
 
+async def queued_all(port: int) -> bool:
+    """Whether the crowd's 10,000 waits are all queued (a check for ``eventually``)."""
+    return (await counters(port))["waiting"] >= 10_000
+
+
+async def orphans(port: int, count: int) -> bool:
+    """Whether ``count`` holds have been freed as orphans (a check for ``eventually``)."""
+    return (await counters(port))["orphans"] >= count
+
+
 async def test_twelve_unread_dumps_of_ten_megabytes_keep_memory_and_latency_bounded() -> None:
     """12 connections pipeline ``d`` over 10,000 keys of 1,000 bytes (a 10 MB reply
     each) and never read. Before replies were streamed, each built its whole reply:
@@ -167,9 +178,8 @@ async def test_ten_thousand_waits_timing_out_together_do_not_stall_a_probe() -> 
         crowd = Crowd(port, 10_000, 1, "lock hot 5\n", 0)
         try:
             assert await crowd.said() == "ready"
-            with trio.fail_after(30):  # the crowd has sent; let the server queue them all
-                while (await counters(port))["waiting"] < 10_000:
-                    await trio.sleep(0.05)
+            # The crowd has sent; let the server queue them all.
+            await eventually(lambda: queued_all(port), timeout=30, interval=0.05)
             async with latency_probe(port) as probe:
                 replies = await crowd.command("read 1", until="done")
         finally:
@@ -193,9 +203,7 @@ async def test_ten_thousand_connections_with_a_million_locks_dropping_together()
             async with latency_probe(port) as probe:
                 await trio.sleep(0.5)
                 await crowd.command("close", until="closed")
-                with trio.fail_after(30):
-                    while (await counters(port))["orphans"] < 1_000_000:
-                        await trio.sleep(0.05)
+                await eventually(lambda: orphans(port, 1_000_000), timeout=30, interval=0.05)
                 await trio.sleep(0.2)
                 final = await counters(port)  # while the probe still holds its own
         finally:
@@ -214,9 +222,7 @@ async def test_grace_sessions_without_a_connection_are_capped_by_max_sessions() 
             await stream.send_all(b"set_timeout 86400000\ng k%d\n" % index)
             assert await read_lines(stream, 2) == [b"200 timeout set", b"1 Got Lock"]
             await stream.aclose()
-        with trio.fail_after(10):
-            while (await counters(port))["orphans"] < 2000:
-                await trio.sleep(0.05)
+        await eventually(lambda: orphans(port, 2000), interval=0.05)
         final = await counters(port)
     # The q connection itself is a session too.
     assert final["sessions"] == 1000 + 1
@@ -371,12 +377,12 @@ async def test_a_vanished_client_host_loses_its_lock_within_keepalive() -> None:
             assert await read_lines(probe, 1) == [b"1 Locked"]
             host.vanish()
             vanished = trio.current_time()
-            with trio.fail_after(keepalive + 5):
-                while True:
-                    await probe.send_all(b"i job\n")
-                    if await read_lines(probe, 1) == [b"0 Not Locked"]:
-                        break
-                    await trio.sleep(0.2)
+
+            async def freed() -> bool:
+                await probe.send_all(b"i job\n")
+                return await read_lines(probe, 1) == [b"0 Not Locked"]
+
+            await eventually(freed, timeout=keepalive + 5, interval=0.2)
             freed_after = trio.current_time() - vanished
             await probe.aclose()
         finally:

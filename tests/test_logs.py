@@ -26,6 +26,7 @@ from elockd.logs import configure_logging, effective_configuration, redact_url
 from elockd.logthrottle import LogThrottle
 from elockd.server import make_service, serve
 from tests.conftest import LineClient
+from tests.polling import eventually, until_waiting
 
 
 def fields(record: logging.LogRecord, *names: str) -> dict[str, object]:
@@ -60,8 +61,11 @@ async def test_info_has_the_orphans_and_nothing_per_request(
     await client.lines_until_end()
     await client.aclose()
     checker = await connect(port)
-    while await checker.request(b"i a") == b"1 Locked":
-        await trio.sleep(0.01)
+
+    async def freed() -> bool:
+        return await checker.request(b"i a") == b"0 Not Locked"
+
+    await eventually(freed)
     assert [r.getMessage() for r in caplog.records] == ["session ended holding locks"]
     record = caplog.records[0]
     assert record.levelno == logging.INFO
@@ -76,8 +80,14 @@ async def test_info_has_the_orphans_and_nothing_per_request(
 
 
 async def test_a_failed_auth_is_a_warning_with_the_peer(
-    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A throttle of its own: a failed auth of an earlier test within 10 s would
+    # hold this one's warning back.
+    monkeypatch.setattr(logs, "_auth_failure_warning", LogThrottle(logs.log, logging.WARNING))
     token = tmp_path / "token"
     token.write_text("right\n")
     port = await start(nursery, Config(auth_token_file=str(token)))
@@ -102,8 +112,7 @@ async def test_refusals_at_limits_are_logged_once_per_interval(
     assert await client.request(b"mlock x y z") == b"413 Too Many Keys"
     other = await connect(port)
     await other.send(b"lock a 30\n")
-    while b"waiting=1" not in await client.request(b"info a"):
-        await trio.sleep(0.01)
+    await until_waiting(client, b"a")
     third = await connect(port)
     assert await third.request(b"lock a 30") == b"413 Too Many Waiters"
     refusals = [r for r in caplog.records if r.getMessage() == "refused at a limit"]
@@ -138,15 +147,12 @@ async def test_debug_logs_connections_requests_and_waits(
     assert await holder.request(b"lock job") == b"200 Acquired"
     waiter = await connect(port)
     await waiter.send(b"lock job 30\n")
-    while b"waiting=1" not in await holder.request(b"info job"):
-        await trio.sleep(0.01)
+    await until_waiting(holder, b"job")
     assert await holder.request(b"unlock job") == b"200 Unlocked"
     assert await waiter.line() == b"200 Acquired\r\n"
     await holder.aclose()
     await waiter.aclose()
-    with trio.fail_after(10):
-        while "connection closed" not in [r.getMessage() for r in caplog.records]:
-            await trio.sleep(0.01)
+    await eventually(lambda: "connection closed" in [r.getMessage() for r in caplog.records])
     seen = [
         (r.getMessage(), getattr(r, "verb", None), getattr(r, "reply", None))
         for r in caplog.records

@@ -14,17 +14,11 @@ import trio
 
 from elockd.config import Config
 from tests.conftest import LineClient, RunningServer
+from tests.polling import eventually, resumed, stats_showing, until_waiting
 
 
 async def pair(server: RunningServer) -> tuple[LineClient, LineClient]:
     return await server.connect(), await server.connect()
-
-
-async def until_waiting(client: LineClient, key: bytes, count: int = 1) -> None:
-    """Wait until ``count`` requests wait for ``key`` (as ``info`` tells)."""
-    with trio.fail_after(10):
-        while b"waiting=%d " % count not in await client.reply(b"info " + key):
-            await trio.sleep(0.01)
 
 
 def seconds_left(info: bytes) -> float:
@@ -100,10 +94,7 @@ async def test_conn_id_takeover_rules(lock_server: RunningServer, clock: object)
     await b.reply(b"lock mine")
     assert await b.reply(b"conn_id " + session_id) == b"403 cannot set conn id\r\n"  # b holds
     await b.reply(b"unlock mine")
-    with trio.fail_after(10):  # the server notices a's disconnect
-        while (reply := await b.reply(b"conn_id " + session_id)) != b"200 conn id set\r\n":
-            assert reply == b"403 cannot set conn id\r\n"
-            await trio.sleep(0.01)
+    await eventually(lambda: resumed(b, session_id))  # once the server has seen a go
     assert await b.reply(b"conn_id") == b"200 " + session_id + b"\r\n"
     assert await b.reply(b"unlock k") == b"200 Unlocked\r\n"
     assert (await b.stats())["orphans"] == 0
@@ -123,10 +114,7 @@ async def test_stats_lists_elock_names_first_then_every_q_counter_once(
 ) -> None:
     a, _ = await pair(lock_server)
     await a.reply(b"lock k")
-    # A cluster node counts keys from its copy of etcd's queues, a few ms behind.
-    with trio.fail_after(5):
-        while (await a.stats())["locks"] != 1:
-            await trio.sleep(0.01)
+    await eventually(lambda: stats_showing(a, locks=1), what="the lock counted")
     lines = (await a.listing(b"stats")).split(b"\r\n")
     assert lines[0] == b"200 STATS"
     assert lines[1:4] == [b"STAT clients 2", b"STAT locks 1", b"STAT monitoring 2"]
@@ -284,6 +272,7 @@ async def test_bad_arguments_get_400_and_change_nothing(
     a, b = await pair(lock_server)
     assert await a.reply(b"lock k") == b"200 Acquired\r\n"
     assert await a.reply(b"lock_shared s") == b"200 1\r\n"
+    await eventually(lambda: stats_showing(a, locks=1, shared_locks=1), what="the holds counted")
     holds = await a.listing(b"d"), await a.listing(b"sd")
     for request_line, reason in BAD_REQUESTS:
         before = await a.stats()

@@ -130,17 +130,18 @@ def test_checker_catches_fencing_tokens_going_back() -> None:
     assert any("token 5 given to a and b" in v for v in problems)
 
 
-def test_checker_allows_one_token_only_for_the_keys_of_one_mlock() -> None:
-    # A cluster gives every key of one mlock the same token (one etcd revision).
+def test_checker_wants_a_token_of_its_own_for_each_key_of_one_mlock() -> None:
+    # Every grant has a token of its own, the keys of one mlock too (on a cluster
+    # as well: its keys are ranked within their etcd revision).
     mlock = {"via": "mlock", "sent": 0.9}
     records = [
         grant("a", "x0", 1.0, token=7, **mlock),
-        grant("b", "x1", 1.0, token=7, **mlock),
+        grant("b", "x1", 1.0, token=8, **mlock),
         *release("a", 2.0),
         *release("b", 2.0),
     ]
     assert checked(records) == []
-    records[1]["sent"] = 0.8  # two requests, one token: a real duplicate
+    records[1]["token"] = 7  # one request, one token for two keys
     assert any("token 7 given to a and b" in v for v in checked(records))
 
 

@@ -77,7 +77,9 @@ class EtcdCalls:
     def spawn(self, job: Callable[[], Awaitable[object]], what: str) -> None:
         """Run etcd work that no request waits for (frees after a disconnect, lease
         ends). If etcd is down it is logged: the stray sweep or the session lease
-        frees it later."""
+        frees it later. So does the session lease when the node is stopping: its
+        nursery is gone, or closed already while connections still end (the node's
+        task has not resumed yet to say so)."""
         nursery = self.nursery
         if nursery is None:
             return
@@ -88,7 +90,8 @@ class EtcdCalls:
             except (EtcdUnavailable, EtcdError, BackendUnavailable) as error:
                 self.unavailable(f"{what}: {error}")
 
-        nursery.start_soon(run)
+        with contextlib.suppress(RuntimeError):  # "Nursery is closed to new arrivals"
+            nursery.start_soon(run)
 
     async def revoke_quietly(self, lease: int) -> None:
         """Revoke a lease on the way out; if etcd does not answer, its TTL ends it."""

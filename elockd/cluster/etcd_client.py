@@ -150,10 +150,6 @@ def compare_mod(key: bytes, op: str, revision: int) -> dict[str, Any]:
     return _compare(key, op, "MOD", "mod_revision", str(revision))
 
 
-def compare_value(key: bytes, op: str, value: bytes) -> dict[str, Any]:
-    return _compare(key, op, "VALUE", "value", _b64(value))
-
-
 @dataclass(frozen=True, slots=True)
 class KeyValue:
     key: bytes
@@ -177,15 +173,12 @@ class KeyValue:
 class Event:
     type: str  # "PUT" or "DELETE"
     kv: KeyValue
-    prev_kv: KeyValue | None
 
     @classmethod
     def from_json(cls, event: dict[str, Any]) -> Event:
-        prev = event.get("prev_kv")
         return cls(
             type=event.get("type", "PUT"),  # PUT is the enum default, so the gateway omits it
             kv=KeyValue.from_json(event.get("kv", {})),
-            prev_kv=KeyValue.from_json(prev) if prev is not None else None,
         )
 
 
@@ -563,10 +556,6 @@ class EtcdClient:
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         return _revision(await self.call("kv/put", put_op(key, value, lease)["request_put"]))
 
-    async def delete(self, key: bytes, range_end: bytes | None = None) -> int:
-        reply = await self.call("kv/deleterange", delete_op(key, range_end)["request_delete_range"])
-        return int(reply.get("deleted", 0))
-
     async def lease_grant(self, ttl: int) -> tuple[int, int]:
         reply = await self.call("lease/grant", {"TTL": str(ttl)})
         return int(reply["ID"]), int(reply.get("TTL", 0))
@@ -592,16 +581,6 @@ class EtcdClient:
         if int(reply.get("TTL", -1)) < 0:
             return None
         return [base64.b64decode(key) for key in reply.get("keys", [])]
-
-    async def status(self, endpoint: str) -> dict[str, Any]:
-        """``maintenance/status`` of that one member (no failover): its view of the leader."""
-        with trio.move_on_after(self.attempt_timeout):
-            async with self._limiter:
-                try:
-                    return await self._post(endpoint.rstrip("/"), "maintenance/status", b"{}")
-                except _Retry as exc:
-                    raise EtcdUnavailable(str(exc)) from exc
-        raise EtcdUnavailable(f"{endpoint}: no status within {self.attempt_timeout}s")
 
     def watch(
         self, key: bytes, range_end: bytes, start_revision: int, *, silence: float | None = None
@@ -647,7 +626,6 @@ class Watch(AsyncIterator[list[Event]]):
         self._create: dict[str, Any] = {
             "key": _b64(key),
             "range_end": _b64(range_end),
-            "prev_kv": True,
             "progress_notify": True,
         }
         self._from_now = start <= 0

@@ -277,14 +277,6 @@ class QueueMirror:
             else:
                 self.exclusive_queues -= 1
 
-    def entry(self, etcd_key: bytes) -> Entry | None:
-        """The entry at ``etcd_key`` as of :attr:`revision`, or None."""
-        where = self._located.get(etcd_key)
-        if where is None:
-            return None
-        queue_id, revision = where
-        return self.queues[queue_id].entries.get(revision)
-
     def _unindex(self, etcd_key: bytes) -> None:
         name = self.layout.parse_entry(etcd_key)
         if name is None:

@@ -386,29 +386,44 @@ class LockRecipe:
         """``iam``: the session's name, shown for its holds by ``d``, ``sd`` and
         ``info`` on every node. Each entry of the session carries its owner, so they
         are written again with the new one (each guarded by its create revision, so
-        a freed one stays freed); a session that holds nothing writes nothing."""
+        a freed one stays freed); a session that holds nothing writes nothing.
+
+        The entries are those of the session's holds in this node's books, read
+        from etcd: the mirror may not have reached a hold granted a moment ago (a
+        try answers from its txn), and that entry would keep the old owner."""
         session.name = name
-        entries = self.mirror.by_lease.get(session.lease, {}) if session.lease else {}
-        puts = []
-        for etcd_key, revision in entries.items():
-            entry = self.mirror.entry(etcd_key)
-            if entry is None:
-                continue
-            value = entry_value(
-                entry.limit,
-                entry.ttl,
-                session.owner,
-                held=entry.held,
-                rank=entry.rank,
-                peer=session.peer,
+        # Its holds and the entries of its requests still in flight (a wait).
+        keys = [
+            self.layout.entry(SHARED if hold.shared else EXCLUSIVE, hold.key, session.lease)
+            for hold in self.ledger.holds(session)
+        ]
+        keys += sorted(session.pending - set(keys))
+        for start in range(0, len(keys), PUTS_PER_TXN):
+            batch = keys[start : start + PUTS_PER_TXN]
+            read = await self.calls.etcd(
+                self.client.txn([], [range_op(etcd_key) for etcd_key in batch]), session
             )
-            put = put_op(etcd_key, value, session.lease)
-            puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))
-        for start in range(0, len(puts), PUTS_PER_TXN):
-            batch = puts[start : start + PUTS_PER_TXN]
-            await self.calls.etcd(
-                self.client.txn([self.ownership.record_guard(session)], batch), session
-            )
+            puts = []
+            for index, etcd_key in enumerate(batch):
+                found = read.kvs(index)
+                if not found or found[0].lease != session.lease:
+                    continue  # freed meanwhile
+                entry = parse_entry_value(found[0].value)
+                value = entry_value(
+                    entry.limit,
+                    entry.ttl,
+                    session.owner,
+                    held=entry.held,
+                    rank=entry.rank,
+                    peer=session.peer,
+                )
+                put = put_op(etcd_key, value, session.lease)
+                revision = found[0].create_revision
+                puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))
+            if puts:
+                await self.calls.etcd(
+                    self.client.txn([self.ownership.record_guard(session)], puts), session
+                )
 
     # ------------------------------------------------------------------ reads
 
