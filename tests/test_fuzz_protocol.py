@@ -30,6 +30,9 @@ from elockd.sessions import WAITING
 from tests.sansio import memory_service, waiting, whole
 
 MULTI_LINE_VERBS = {b"q", b"d", b"sd", b"dump", b"who", b"stats"}
+#: glockd's dialect: listings without END, and silent when they match nothing.
+GLOCKD_LISTINGS = {b"q", b"d", b"sd", b"dump", b"who"}
+GLOCKD_SILENT_WHEN_EMPTY = {b"d", b"sd", b"who"}
 VERBS = [
     *(b"g r i sg sr si q d sd dump iam who me".split()),
     *(b"lock unlock unlock_all conn_id set_timeout stats quit".split()),
@@ -221,7 +224,6 @@ class Harness:
         assert isinstance(reply, bytes), (line, reply)
         client.replies += 1
         client.last_reply = reply
-        assert reply.endswith(b"\r\n"), (line, reply)
         if line is None:
             assert reply == LINE_TOO_LONG
             return
@@ -231,8 +233,17 @@ class Harness:
             .replace(b"\t", b" ")
             .split(b" ")[0]
         )
+        glockd = self.service.config.replies == "glockd"
+        if glockd and verb not in self.service.commands or (
+            glockd and verb in GLOCKD_SILENT_WHEN_EMPTY and reply == b""
+        ):
+            assert reply == b"", (line, reply)  # r312: no reply at all
+            return
+        assert reply.endswith(b"\r\n"), (line, reply)
         self.check_truth(client, line, verb, reply, waited)
-        if verb in MULTI_LINE_VERBS and reply[:1] != b"4":  # not a 400 for bad arguments
+        if glockd and verb in GLOCKD_LISTINGS:
+            assert not reply.endswith(b"END\r\n") or reply.count(b"\n") > 1, (line, reply)
+        elif verb in MULTI_LINE_VERBS and reply[:1] != b"4":  # not a 400 for bad arguments
             assert reply.endswith(b"END\r\n"), (line, reply)
         else:
             assert reply.count(b"\n") == 1, (line, reply)
