@@ -30,8 +30,11 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two workers for the bulk of the suite (much of it waits on etcd and timers), then
+# the latency-bound tests alone, so that nothing runs beside them.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 # The safety checker (tests/safety.py) for longer than `make test` runs it:
 # many clients in several processes, random SIGKILLs, every grant checked; against

@@ -243,7 +243,7 @@ def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int
     the tools that must say "cannot tell" without one."""
     token = tmp_path_factory.mktemp("auth") / "token"
     token.write_text("letmein\n")
-    process, port = start_server("--auth-token-file", str(token))
+    process, port = start_server("--auth-token-file", str(token), "--auth-failure-delay", "0.05")
     yield port, token
     stop_server(process)
 

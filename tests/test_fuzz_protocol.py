@@ -234,8 +234,10 @@ class Harness:
             .split(b" ")[0]
         )
         glockd = self.service.config.replies == "glockd"
-        if glockd and verb not in self.service.commands or (
-            glockd and verb in GLOCKD_SILENT_WHEN_EMPTY and reply == b""
+        if (
+            glockd
+            and verb not in self.service.commands
+            or (glockd and verb in GLOCKD_SILENT_WHEN_EMPTY and reply == b"")
         ):
             assert reply == b"", (line, reply)  # r312: no reply at all
             return

@@ -28,6 +28,9 @@ from tests.netns import client_host, why_namespaces_cannot_be_made
 from tests.polling import eventually
 from tests.server_process import start_server, stop_server
 
+# Probe latencies are measured against a bound: run alone, not beside other tests.
+pytestmark = pytest.mark.serial
+
 MB = 1 << 20
 #: What a probe may wait at worst while the crowd churns (the bound of docs/operations.md).
 PROBE_BOUND = 0.2

@@ -1,6 +1,6 @@
 """The safety checker (tests/safety.py): a short real run, and proof that it can fail.
 
-``STRESS_SECONDS`` sets the length of the real run (default 10 s; ``make stress``
+``STRESS_SECONDS`` sets the length of the real run (default 6 s; ``make stress``
 runs it longer).
 """
 
@@ -17,7 +17,7 @@ SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
 
 
 def test_no_violation_under_random_kills(spawn_server: SpawnServer, tmp_path: Path) -> None:
-    seconds = float(os.environ.get("STRESS_SECONDS", "10"))
+    seconds = float(os.environ.get("STRESS_SECONDS", "6"))
     server, port = spawn_server()
     report = run(port, seconds, tmp_path, seed=int(os.environ.get("STRESS_SEED", "1")))
     print(report.summary())
