@@ -234,11 +234,8 @@ class Harness:
             .split(b" ")[0]
         )
         glockd = self.service.config.replies == "glockd"
-        if (
-            glockd
-            and verb not in self.service.commands
-            or (glockd and verb in GLOCKD_SILENT_WHEN_EMPTY and reply == b"")
-        ):
+        unknown = verb not in self.service.commands
+        if glockd and (unknown or (verb in GLOCKD_SILENT_WHEN_EMPTY and reply == b"")):
             assert reply == b"", (line, reply)  # r312: no reply at all
             return
         assert reply.endswith(b"\r\n"), (line, reply)
