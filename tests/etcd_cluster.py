@@ -79,6 +79,19 @@ def member_status(url: str, timeout: float = 0.5) -> dict[str, Any] | None:
         return None
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc)."""
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            # The state follows the command name, which is in parentheses.
+            state = stat.read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 class EtcdCluster:
     """``size`` members named n1..nN with data and logs under ``base``."""
 
@@ -163,6 +176,10 @@ class EtcdCluster:
         assert member.process is not None, f"{name} is not running"
         member.process.send_signal(signal.SIGSTOP)
         member.stopped = True
+        # kill() returns before every thread has stopped: a thread busy in the kernel
+        # (an fsync) stops only on its way out, and could still ack a raft append.
+        pid = member.process.pid
+        self._wait(lambda: all_threads_stopped(pid), timeout=5)
 
     def cont(self, name: str) -> None:
         member = self.members[name]
