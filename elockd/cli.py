@@ -324,6 +324,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="deprecated: --grace in milliseconds",
     )
     add(
+        "--control-socket",
+        metavar="PATH",
+        default=None,
+        help="wait on this Unix socket (mode 0600) for a successor to hand every "
+        "connection and lock to (docs/upgrade.md)",
+    )
+    add(
+        "--take-over",
+        metavar="PATH",
+        default=None,
+        help="take every listener, connection and lock over from the elockd whose "
+        "--control-socket is PATH, then serve them",
+    )
+    add(
+        "--handover-timeout",
+        type=positive_float,
+        default=defaults.handover_timeout,
+        metavar="SECONDS",
+        help="how long a hand-over may take before the old process serves on",
+    )
+    add(
         "--etcd",
         type=etcd_endpoints,
         metavar="URL[,URL...]",

@@ -47,6 +47,11 @@ class Config:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # Zero-downtime upgrade (docs/upgrade.md): where this process waits for a
+    # successor, where it finds its predecessor, and how long either side may take.
+    control_socket: str | None = None
+    take_over: str | None = None
+    handover_timeout: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
     # The etcd backend (docs/cluster.md): off unless --etcd names endpoints.

@@ -68,13 +68,13 @@ class MemoryBackend(LockEngine):
             if not wait:
                 return GRANTED if self.acquire(session, keys[0], now, ttl) else REFUSED
             waiter = self.wait_for(session, keys[0], now, ttl, timeout=wait)
-            return GRANTED if waiter is None else self._later(waiter)
+            return GRANTED if waiter is None else self.later_for(waiter)
         result = self.request_many(session, keys, now, ttl=ttl, wait=wait > 0, timeout=wait)
         if result is None:
             return GRANTED
         if isinstance(result, list):
             return Grant(False, blocked=result)
-        return GRANTED if result.granted else self._later(result)
+        return GRANTED if result.granted else self.later_for(result)
 
     def lock_shared(
         self,
@@ -92,7 +92,7 @@ class MemoryBackend(LockEngine):
         result = self.wait_shared(session, key, now, limit=limit, ttl=ttl, timeout=wait)
         if isinstance(result, int):
             return Grant(True, result)
-        return self._later(result)
+        return self.later_for(result)
 
     def token(self, session: Session, key: bytes) -> int | None:
         hold = session.exclusive.get(key)
@@ -110,7 +110,10 @@ class MemoryBackend(LockEngine):
 
     # ---------------------------------------------------------------- waiting
 
-    def _later(self, waiter: Waiter) -> Wait:
+    def later_for(self, waiter: Waiter) -> Wait:
+        """The reply-later of a request waiting as ``waiter`` (also for a waiter
+        taken over from a predecessor, docs/upgrade.md)."""
+
         async def granted_or_not() -> Grant:
             if waiter.waiting:
                 woken = trio.Event()

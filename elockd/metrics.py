@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
@@ -297,6 +298,7 @@ async def serve_metrics(
     port: int,
     slots: ConnectionSlots | None = None,
     *,
+    sock: socket.socket | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the HTTP port on ``host:port`` until cancelled: ``/metrics`` and
@@ -306,9 +308,11 @@ async def serve_metrics(
     sessions on ``/``.
 
     ``port`` 0 takes any free port; ``task_status`` reports the bound address.
+    ``sock``: a listening socket to serve instead (handed over by a predecessor).
     """
     config = service.config
-    sock = listen_tcp(host, port)
+    if sock is None:
+        sock = listen_tcp(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     exposition = Exposition(make_registry(service), max_age=config.metrics_cache)
     sessions = None if slots is None else partial(serve_websocket, service, slots)

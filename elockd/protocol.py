@@ -32,6 +32,7 @@ from elockd.arguments import Args, BadRequest
 from elockd.backend import Backend, BackendUnavailable, Later, QueueFull, Result, TooManyHolds
 from elockd.config import Config
 from elockd.logs import log_refusal
+from elockd.pause import Pause
 from elockd.replies import STYLES, TerseReplies
 from elockd.sessions import Session
 from elockd.stats import Counters, Timings, snapshot
@@ -254,6 +255,8 @@ class Service:
         # Connections that set a name with `iam`, oldest naming first (for `who`).
         self.named: dict[Connection, None] = {}
         self.auth_token = auth_token
+        # Stops every connection between two requests for a hand-over (elockd.pause).
+        self.pause = Pause()
         # Before `auth` succeeds a connection dispatches through this table, where
         # every verb that needs auth is refused: no per-request check on the hot path.
         self.unauthenticated_commands = {
@@ -294,13 +297,17 @@ class Connection:
         "session",
     )
 
-    def __init__(self, service: Service, peer: bytes) -> None:
+    def __init__(self, service: Service, peer: bytes, session: Session | None = None) -> None:
+        """``session``: an existing one this connection serves on (a hand-over's
+        successor); else a new session is opened."""
         self.service = service
         self.backend = service.backend
         self.replies = service.replies
         self.peer = peer
-        self.session = service.backend.open_session(service.new_session_id(), peer)
-        self.session.grace = service.config.grace
+        if session is None:
+            session = service.backend.open_session(service.new_session_id(), peer)
+            session.grace = service.config.grace
+        self.session = session
         self.closing = False  # set by `quit` and a failed `auth`: close after this reply
         # Set by the server: ends this connection (the backend lost its session).
         self.abort: Callable[[], None] | None = None
@@ -348,6 +355,14 @@ class Connection:
         """``conn_id``: this connection now serves ``session``."""
         session.abort = self.abort
         self.session = session
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests that need ``auth`` are served (no token, or ``auth`` done)."""
+        return self.commands is self.service.commands
+
+    def authenticate(self) -> None:
+        self.commands = self.service.commands
 
     def check_token(self, token: bytes) -> bool:
         """``auth TOKEN``: constant-time comparison, so timing leaks nothing."""

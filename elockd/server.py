@@ -25,17 +25,20 @@ import socket
 import ssl
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import trio
 
 from elockd.backend import Backend
 from elockd.commands import COMMANDS
 from elockd.config import Config
+from elockd.handover.exchange import Giver, Listeners, TakenOver, open_control_socket, take_over
 from elockd.logs import log_refusal, log_session_end
 from elockd.logthrottle import LogThrottle
 from elockd.memory import MemoryBackend
 from elockd.metrics import serve_metrics
+from elockd.notify import sd_notify
 from elockd.protocol import Service
 from elockd.serving import ConnectionSlots, peer_name, serve_connection
 from elockd.startup import (
@@ -402,6 +405,57 @@ def make_cluster_backend(config: Config) -> Backend:
     )
 
 
+class Work:
+    """What a hand-over stops while the tables are copied and restarts if it fails:
+    the accept loops and the deadline timer. They run in a nursery of their own, so
+    stopping them leaves the connections (in the server's nursery) untouched."""
+
+    def __init__(self, start: Callable[[trio.Nursery], None]) -> None:
+        self._start = start
+        self._scope = trio.CancelScope()
+        self._stopped = trio.Event()
+        self._restart = trio.Event()
+
+    async def run(self) -> None:
+        while True:
+            self._stopped = trio.Event()
+            try:
+                async with trio.open_nursery() as inner:
+                    self._scope = inner.cancel_scope
+                    self._start(inner)
+            finally:
+                self._stopped.set()
+            await self._restart.wait()
+            self._restart = trio.Event()
+
+    async def stop(self) -> None:
+        self._scope.cancel()
+        await self._stopped.wait()
+
+    def restart(self) -> None:
+        self._restart.set()
+
+
+def open_listeners(config: Config, tls: ssl.SSLContext | None) -> Listeners:
+    """The lock port (every address of ``--host``), ``--unix`` and the control
+    socket, bound and listening; a failure names its flag."""
+    with blame_address("--host", config.host, "--port", config.port, LOCK_PORT_HINT):
+        tcp = open_tcp_sockets(config.host, config.port)
+    listeners = Listeners(lock=[(sock, "tls" if tls else "tcp") for sock in tcp])
+    try:
+        if config.unix:
+            with blame_file("--unix", config.unix):
+                listeners.lock.append((open_unix_socket(config.unix), "unix"))
+        if config.control_socket:
+            with blame_file("--control-socket", config.control_socket):
+                listeners.control = open_control_socket(config.control_socket)
+    except StartupError:
+        for sock, _ in listeners.lock:
+            sock.close()
+        raise
+    return listeners
+
+
 async def serve(
     config: Config,
     service: Service | None = None,
@@ -409,21 +463,23 @@ async def serve(
     task_status: trio.TaskStatus[list[tuple[str, int] | str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen and serve until cancelled. Cancellation closes every connection, whose
-    holds are then freed and counted like any disconnect."""
+    holds are then freed and counted like any disconnect.
+
+    With ``--take-over PATH`` the listeners, connections and tables come from the
+    process at PATH instead (docs/upgrade.md); with ``--control-socket`` this
+    process can hand them on the same way, after which it returns."""
     service = service or make_service(config)
     tls = tls_context(config)
-    with blame_address("--host", config.host, "--port", config.port, LOCK_PORT_HINT):
-        listeners = open_tcp_sockets(config.host, config.port)
-    tcp_listeners = len(listeners)
-    if config.unix:
-        try:
-            with blame_file("--unix", config.unix):
-                listeners.append(open_unix_socket(config.unix))
-        except StartupError:
-            for listener in listeners:
-                listener.close()
-            raise
-    addresses: list[tuple[str, int] | str] = [sock.getsockname() for sock in listeners]
+    closer = Closer()
+    taken: TakenOver | None = None
+    if config.take_over:
+        if config.etcd:
+            raise StartupError("--take-over: not with --etcd yet (docs/upgrade.md)")
+        taken = await take_over(config.take_over, service, closer)
+        listeners = taken.listeners
+    else:
+        listeners = open_listeners(config, tls)
+    addresses: list[tuple[str, int] | str] = [sock.getsockname() for sock, _ in listeners.lock]
     files = raise_open_file_limit()
     if files < config.max_connections + 64:
         log.warning(
@@ -433,16 +489,33 @@ async def serve(
         )
     timer = DeadlineTimer(service.backend)
     spare = SpareDescriptor()
-    closer = Closer()
+    handed_over = False
     try:
         async with trio.open_nursery() as nursery:
             if service.background is not None:
                 await nursery.start(service.background)
-            nursery.start_soon(timer.run)
             nursery.start_soon(closer.run)
             # One limit for every listener, WebSocket sessions on the HTTP port too.
             slots = ConnectionSlots(config.max_connections)
-            if config.metrics_port:
+
+            def start_work(inner: trio.Nursery) -> None:
+                inner.start_soon(timer.run)
+                for listener, kind in listeners.lock:
+                    # TLS protects the TCP port; the Unix socket is guarded by file modes.
+                    inner.start_soon(
+                        accept_loop,
+                        service,
+                        listener,
+                        nursery,
+                        tls if kind == "tls" else None,
+                        slots,
+                        spare,
+                        closer,
+                    )
+
+            work = Work(start_work)
+            nursery.start_soon(work.run)
+            if config.metrics_port or listeners.http is not None:
                 # In this nursery, so the scrape reads the tables in this trio run.
                 with blame_address(
                     "--metrics-host",
@@ -452,26 +525,46 @@ async def serve(
                     METRICS_PORT_HINT,
                 ):
                     host, port = await nursery.start(
-                        serve_metrics, service, config.metrics_host, config.metrics_port, slots
+                        partial(serve_metrics, sock=listeners.http),
+                        service,
+                        config.metrics_host,
+                        config.metrics_port,
+                        slots,
                     )
                 log.info("elockd metrics on http://%s/metrics", describe((host, port)))
                 if not tls:
                     log.info("elockd WebSocket sessions on ws://%s/", describe((host, port)))
-            for index, listener in enumerate(listeners):
-                # TLS protects the TCP port; the Unix socket is guarded by file modes.
-                listener_tls = tls if index < tcp_listeners else None
-                nursery.start_soon(
-                    accept_loop, service, listener, nursery, listener_tls, slots, spare, closer
-                )
+            if taken is not None:
+                for parked in taken.connections:
+                    slots.used += 1
+                    nursery.start_soon(
+                        slots.run, serve_connection, service, parked.transport, parked.peer, parked
+                    )
+                sd_notify(f"MAINPID={os.getpid()}", "READY=1")
+                await taken.finish()
+            else:
+                sd_notify("READY=1")
             log.info("elockd listening on %s", ", ".join(describe(a) for a in addresses))
             task_status.started(addresses)
+            if listeners.control is not None:
+                giver = Giver(service, listeners, work.stop, work.restart, config.handover_timeout)
+                await giver.serve()
+                # Every connection and the tables are the successor's now.
+                handed_over = True
+                service.pause.hand_over()
+                nursery.cancel_scope.cancel()
     finally:
         spare.close()
-        for listener in listeners:
+        for listener, _ in listeners.lock:
             listener.close()
-        if config.unix:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(config.unix)
+        for other in (listeners.http, listeners.control):
+            if other is not None:
+                other.close()
+        if not handed_over:  # the successor listens at these paths now
+            for path in (config.unix, config.control_socket):
+                if path:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
 
 
 def describe(address: tuple[str, int] | str) -> str:
@@ -509,5 +602,11 @@ async def run_until_signal(config: Config, signals: Sequence[int] = ()) -> None:
                     nursery.cancel_scope.cancel()
                     return
 
+            async def serve_until_done(
+                task_status: trio.TaskStatus[list[tuple[str, int] | str]],
+            ) -> None:
+                await serve(config, task_status=task_status)
+                nursery.cancel_scope.cancel()  # handed over to a successor: exit
+
             nursery.start_soon(stop_at_signal)
-            await nursery.start(serve, config)
+            await nursery.start(serve_until_done)

@@ -19,6 +19,7 @@ import trio
 
 from elockd.framing import LineReader
 from elockd.logs import log_connection_close, log_connection_open
+from elockd.pause import Backlog, HandedOver, Interrupted, Parked
 from elockd.protocol import Connection, Delayed, Outcome, Reply, Service, Streamed
 from elockd.transport import Transport
 
@@ -37,82 +38,160 @@ def peer_name(address: object) -> bytes:
     return b"unix"
 
 
-async def serve_connection(service: Service, transport: Transport, peer: bytes) -> None:
-    """Run one client connection to its end, then free its session per its rules."""
-    log_connection_open(peer)
-    conn = Connection(service, peer)
-    reader = LineReader(service.config.max_line)
+async def serve_connection(
+    service: Service, transport: Transport, peer: bytes, resumed: Parked | None = None
+) -> None:
+    """Run one client connection to its end, then free its session per its rules.
+
+    ``resumed`` is a connection taken over from a predecessor (docs/upgrade.md): its
+    session, reader state and backlog of requests are served on as they were. A
+    connection handed over to a successor ends here without closing anything."""
+    pause = service.pause
+    transport.pause = pause
+    if resumed is None:
+        if pause.requested:  # accepted just before a hand-over: nothing handled yet
+            resumed = Parked(None, LineReader(service.config.max_line), transport, peer, Backlog())
+            try:
+                await pause.park(resumed)
+            except HandedOver:
+                return
+        log_connection_open(peer)
+        conn = Connection(service, peer)
+        reader = LineReader(service.config.max_line)
+        backlog = Backlog()
+    else:
+        conn = resumed.conn if resumed.conn is not None else Connection(service, peer)
+        reader, backlog = resumed.reader, resumed.backlog
     idle_timeout = service.config.idle_timeout
+    handed_over = False
     try:
         # The backend may end the connection (its session was lost) through abort.
         with trio.CancelScope() as ended:
             conn.set_abort(ended.cancel)
-            await _serve_requests(conn, reader, transport, idle_timeout)
+            await _serve_requests(conn, reader, transport, idle_timeout, backlog)
     except trio.BrokenResourceError:
         pass  # the peer is gone; nothing to tell it
+    except HandedOver:
+        handed_over = True  # the successor serves it now: its socket and session stay
     finally:
-        conn.close(trio.current_time())
-        await transport.aclose()
-        log_connection_close(peer)
+        # Once the service was handed over, nothing here is ours to close: a
+        # connection that could not move (TLS) ends with this process.
+        if not handed_over and not pause.handed_over:
+            conn.close(trio.current_time())
+            await transport.aclose()
+            log_connection_close(peer)
 
 
 async def _serve_requests(
-    conn: Connection, reader: LineReader, transport: Transport, idle_timeout: float | None
+    conn: Connection,
+    reader: LineReader,
+    transport: Transport,
+    idle_timeout: float | None,
+    backlog: Backlog,
 ) -> None:
     """Read, answer and write until the peer leaves or asks to close.
 
     The fast path: every complete line of a received chunk is answered at once, and
     the replies go out in one write (or every :data:`REPLY_FLUSH_BYTES`). A reply
     that is not ready (a wait, the backend's I/O, a dump) takes :func:`deliver`,
-    after the replies before it went out, so they stay in order."""
+    after the replies before it went out, so they stay in order.
+
+    A pause for a hand-over (:mod:`elockd.pause`) stops it between two requests: what
+    is left of the chunk (and a request still waiting) is parked as ``backlog``.
+    After a failed hand-over it goes on with the backlog first."""
+    pause = conn.service.pause
     while not conn.closing:
-        if idle_timeout is None:
-            data = await transport.receive()
+        if backlog.pending is not None:
+            outcome, backlog.pending = backlog.pending, None
+            delivered = await deliver(outcome, transport)
+            if delivered is None:
+                backlog.pending = outcome  # still waiting in the engine
+                await _park(conn, reader, transport, backlog)
+                continue
+            if not delivered:
+                return
+            if conn.closing:
+                break
+        if backlog.lines:
+            lines, backlog.lines = backlog.lines, []
         else:
-            data = b""  # stays empty when the idle timeout ends the connection
-            with trio.move_on_after(idle_timeout):
-                data = await transport.receive()
-        if not data:
-            break
+            try:
+                if idle_timeout is None:
+                    data = await transport.receive()
+                else:
+                    data = b""  # stays empty when the idle timeout ends the connection
+                    with trio.move_on_after(idle_timeout):
+                        data = await transport.receive()
+            except Interrupted:
+                await _park(conn, reader, transport, backlog)
+                continue
+            if not data:
+                break
+            lines = reader.feed(data)
         now = trio.current_time()
         replies: list[bytes] = []
         buffered = 0
-        for line in reader.feed(data):
+        for index, line in enumerate(lines):
             reply = conn.handle(line, now)
             if reply.__class__ is not bytes:
                 if replies:
                     await transport.send(b"".join(replies))
                     replies.clear()
                     buffered = 0
-                if not await deliver(reply, transport):
+                delivered = await deliver(reply, transport)
+                if delivered is None:  # paused while the request waits for its grant
+                    assert isinstance(reply, Outcome)
+                    backlog.pending, backlog.lines = reply, lines[index + 1 :]
+                    await _park(conn, reader, transport, backlog)
+                    break
+                if not delivered:
                     return  # the client left while its request waited
                 if conn.closing:
                     break
                 now = trio.current_time()
-                continue
-            assert isinstance(reply, bytes)
-            if reply:  # glockd's dialect answers some requests with nothing at all
-                replies.append(reply)
-            if conn.closing:
+            else:
+                assert isinstance(reply, bytes)
+                if reply:  # glockd's dialect answers some requests with nothing at all
+                    replies.append(reply)
+                if conn.closing:
+                    break
+                buffered += len(reply)
+                if buffered >= REPLY_FLUSH_BYTES:
+                    # Backpressure from a client that does not read starts here, and
+                    # the checkpoint lets other connections run between batches.
+                    await transport.send(b"".join(replies))
+                    replies.clear()
+                    buffered = 0
+                    await trio.lowlevel.checkpoint()
+                    now = trio.current_time()
+            if pause.requested:
+                if replies:
+                    await transport.send(b"".join(replies))
+                    replies.clear()
+                backlog.lines = lines[index + 1 :]
+                await _park(conn, reader, transport, backlog)
                 break
-            buffered += len(reply)
-            if buffered >= REPLY_FLUSH_BYTES:
-                # Backpressure from a client that does not read starts here, and
-                # the checkpoint lets other connections run between batches.
-                await transport.send(b"".join(replies))
-                replies.clear()
-                buffered = 0
-                await trio.lowlevel.checkpoint()
-                now = trio.current_time()
         if replies:
             await transport.send(b"".join(replies))
 
 
-async def deliver(reply: Reply, transport: Transport) -> bool:
+async def _park(
+    conn: Connection, reader: LineReader, transport: Transport, backlog: Backlog
+) -> None:
+    """Rest at a request boundary until the hand-over is decided (see
+    :mod:`elockd.pause`); raises :class:`~elockd.pause.HandedOver` if it succeeded."""
+    await conn.service.pause.park(Parked(conn, reader, transport, conn.peer, backlog))
+
+
+async def deliver(reply: Reply, transport: Transport) -> bool | None:
     """Send a reply that was not ready at once; False when the client went away while
-    its request waited (its session's disconnect then cancels the wait)."""
+    its request waited (its session's disconnect then cancels the wait), None when a
+    hand-over's pause came first (the request still waits in the engine)."""
     if isinstance(reply, Outcome):
-        settled = await settle(reply, transport)
+        try:
+            settled = await settle(reply, transport)
+        except Interrupted:
+            return None
         if settled is None:
             return False
         reply = settled
@@ -129,10 +208,12 @@ async def deliver(reply: Reply, transport: Transport) -> bool:
 
 async def settle(outcome: Outcome, transport: Transport) -> bytes | Streamed | None:
     """An outcome's reply. One that waits for a grant is raced against the client
-    going away, and abandoned (None) if it does first."""
+    going away, and abandoned (None) if it does first; a hand-over's pause interrupts
+    it (:class:`~elockd.pause.Interrupted`) and leaves the request waiting."""
     if not outcome.waits:
         return await outcome.settle()
     reply: bytes | Streamed | None = None
+    interrupted = False
 
     async def run() -> None:
         nonlocal reply
@@ -140,12 +221,18 @@ async def settle(outcome: Outcome, transport: Transport) -> bytes | Streamed | N
         nursery.cancel_scope.cancel()
 
     async def watch_peer() -> None:
-        await transport.watch_for_close()
+        nonlocal interrupted
+        try:
+            await transport.watch_for_close()
+        except Interrupted:
+            interrupted = True
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run)
         nursery.start_soon(watch_peer)
+    if interrupted and reply is None:
+        raise Interrupted
     return reply
 
 

@@ -26,12 +26,14 @@ ALWAYS_SHOWN_VERBS = (b"d", b"dump", b"g", b"i", b"q", b"r", b"sd", b"sg", b"si"
 class Counters:
     """What the connection layer counts."""
 
-    __slots__ = ("commands", "connections", "invalid_commands")
+    __slots__ = ("commands", "connections", "handovers", "invalid_commands")
 
     def __init__(self, verbs: list[bytes]) -> None:
         self.commands: dict[bytes, int] = dict.fromkeys(verbs, 0)
         self.invalid_commands = 0
         self.connections = 0
+        # Hand-overs to a successor this server's state went through (docs/upgrade.md).
+        self.handovers = 0
 
 
 def snapshot(engine: Backend, counters: Counters) -> dict[str, int]:
@@ -39,6 +41,7 @@ def snapshot(engine: Backend, counters: Counters) -> dict[str, int]:
     values = {
         "connections": counters.connections,
         "expired": engine.expired,
+        "handovers": counters.handovers,
         "invalid_commands": counters.invalid_commands,
         "leases": engine.leases,
         "locks": len(engine.exclusive),

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import trio
 
+from elockd.pause import NEVER, Interrupted, Pause
+
 RECEIVE_SIZE = 65536
 #: While a request waits, bytes read ahead of it are kept up to this much; past it
 #: we stop reading (the client is alive and pipelining; TCP pushes back on it).
@@ -28,6 +30,9 @@ class Transport(Protocol):
     #: True when a multi-line reply must go out whole, in one send (a WebSocket
     #: message); else it is sent a chunk at a time as the client reads.
     whole_replies: bool
+    #: Set by the connection's loop: a hand-over's pause interrupts a waiting read
+    #: (:class:`~elockd.pause.Interrupted`).
+    pause: Pause
 
     async def receive(self) -> bytes:
         """The next chunk, or b"" once the peer is gone."""
@@ -43,11 +48,21 @@ class Transport(Protocol):
 class _ReadAhead:
     """What both transports share: data read while a request waited comes first."""
 
-    __slots__ = ("_read_ahead",)
+    __slots__ = ("_read_ahead", "pause")
     whole_replies = False
 
     def __init__(self) -> None:
         self._read_ahead = b""
+        self.pause = NEVER
+
+    @property
+    def read_ahead(self) -> bytes:
+        """Bytes read but not yet handed to the connection (they move with it)."""
+        return self._read_ahead
+
+    @read_ahead.setter
+    def read_ahead(self, data: bytes) -> None:
+        self._read_ahead = data
 
     async def _receive_raw(self) -> bytes:
         raise NotImplementedError
@@ -136,6 +151,8 @@ class SocketTransport(_ReadAhead):
             data, self._read_ahead = self._read_ahead, b""
             return data
         await trio.lowlevel.checkpoint()
+        if self.pause.requested:
+            raise Interrupted
         try:
             return self.sock.recv(RECEIVE_SIZE)
         except BlockingIOError:
@@ -146,7 +163,8 @@ class SocketTransport(_ReadAhead):
     async def _receive_raw(self) -> bytes:
         sock = self.sock
         while True:
-            await trio.lowlevel.wait_readable(sock)
+            with self.pause.interruptible():
+                await trio.lowlevel.wait_readable(sock)
             try:
                 return sock.recv(RECEIVE_SIZE)
             except BlockingIOError:
@@ -200,7 +218,8 @@ class StreamTransport(_ReadAhead):
 
     async def _receive_raw(self) -> bytes:
         try:
-            return bytes(await self.stream.receive_some(RECEIVE_SIZE))
+            with self.pause.interruptible():
+                return bytes(await self.stream.receive_some(RECEIVE_SIZE))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return b""
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from elockd.pause import NEVER
 from elockd.protocol import Service
 from elockd.serving import ConnectionSlots, peer_name, serve_connection
 from elockd.transport import READ_AHEAD_LIMIT
@@ -53,12 +54,14 @@ class WebSocketTransport:
         self._ahead_bytes = 0
         self._text = True  # the type of the message being answered
         self._closed = False
+        self.pause = NEVER
 
     async def _next(self) -> tuple[bool, bytes] | None:
         """The next message as (text?, bytes), or None once the peer has gone."""
         if self._closed:
             return None
-        message = await self._receive()
+        with self.pause.interruptible():
+            message = await self._receive()
         if message["type"] != "websocket.receive":
             self._closed = True  # websocket.disconnect
             return None

@@ -9,6 +9,7 @@ one question, and formats the answer, now or once it comes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from elockd.arguments import Args, BadRequest, parse_number, parse_seconds
@@ -179,3 +180,12 @@ def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
     log_auth_failure(conn.peer)
     conn.closing = True
     return Delayed(b"403 Bad Token\r\n", conn.service.config.auth_failure_delay)
+
+
+#: How a waiting request's reply is made, by the verb that waits: a hand-over names
+#: it in the state, and the successor answers with the same function.
+WAIT_REPLIES: dict[str, Callable[[Grant], bytes]] = {
+    "lock": _acquired_or_not,
+    "mlock": _acquired_or_keys,
+    "lock_shared": _holders_after,
+}

@@ -1,0 +1,362 @@
+"""The hand-over itself: the old process gives, the new one takes (docs/upgrade.md).
+
+The conversation on the control socket, after the successor connects:
+
+1. new -> old ``hello``: the state versions it reads.
+2. old: pauses every connection at a request boundary (:mod:`elockd.pause`), stops
+   accepting and stops its deadline timer, so the tables stand still.
+3. old -> new ``header`` with the listening sockets, then the state records
+   (:mod:`elockd.handover.state`), each connection with its socket, then ``end``.
+4. new: rebuilds everything without serving yet, then -> old ``ready``.
+5. old -> new ``go`` (it will never serve again) or ``aborted`` (it serves on).
+   The old process decides once: ``go`` only if ``ready`` came in time.
+6. new: serves; tells systemd it is the main process now; -> old ``done``.
+7. old: exits 0.
+
+Anything else (the successor dies, refuses the version, is too slow) and the old
+process resumes every connection as if nothing had happened, and logs why. The
+state is never served by both: the new process serves only after ``go`` (or after
+``ready`` if the old one vanished, which then never serves again either).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
+from elockd.handover.state import FORMAT, VERSION, ConnectionState, Restorer, StateError, dump_state
+from elockd.pause import Parked
+from elockd.protocol import Service
+from elockd.startup import StartupError
+from elockd.transport import Closer, SocketTransport
+
+log = logging.getLogger("elockd")
+
+#: How long a connected successor may take to say hello.
+HELLO_TIMEOUT = 5.0
+#: How long the old process waits for ``done`` after ``go`` before it exits anyway.
+DONE_TIMEOUT = 2.0
+
+
+class HandOverFailed(Exception):
+    """Why a hand-over did not happen (the old process logs it and serves on)."""
+
+
+@dataclass
+class Listeners:
+    """The listening sockets a server has, as a hand-over moves them. ``lock`` pairs
+    each lock-port socket with its kind: ``tcp``, ``tls`` or ``unix``."""
+
+    lock: list[tuple[socket.socket, str]] = field(default_factory=list)
+    http: socket.socket | None = None
+    control: socket.socket | None = None
+
+
+def open_control_socket(path: str) -> socket.socket:
+    """The control socket at ``path``, mode 0600: whoever can connect can take every
+    lock. A stale socket file is replaced; anything else at the path is an error."""
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_mask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_mask)
+    os.chmod(path, 0o600)
+    sock.listen(4)
+    sock.setblocking(False)
+    return sock
+
+
+# --------------------------------------------------------------------- the giver
+
+
+@dataclass
+class Giver:
+    """What the old process hands over, and how it stops and restarts its own work
+    (accepting, the deadline timer) around the attempt."""
+
+    service: Service
+    listeners: Listeners
+    stop_work: Callable[[], Awaitable[None]]
+    restart_work: Callable[[], None]
+    timeout: float
+
+    async def serve(self) -> None:
+        """Wait for successors on the control socket; return once one took over."""
+        control = self.listeners.control
+        assert control is not None
+        while True:
+            await trio.lowlevel.wait_readable(control)
+            try:
+                sock, _ = control.accept()
+            except BlockingIOError:
+                continue
+            channel = Channel(sock)
+            try:
+                if await self.attempt(channel):
+                    return
+            finally:
+                channel.close()
+
+    async def attempt(self, channel: Channel) -> bool:
+        """One hand-over; True when the successor has everything."""
+        pause = self.service.pause
+        try:
+            with trio.fail_after(HELLO_TIMEOUT):
+                hello, _ = await channel.receive()
+        except (ChannelError, trio.TooSlowError) as error:
+            log.warning("hand-over: no hello from the successor (%s); serving on", error)
+            return False
+        versions = hello.get("versions")
+        if hello.get("format") != FORMAT or not isinstance(versions, list):
+            log.warning("hand-over refused: the successor is not an elockd")
+            return False
+        if VERSION not in versions:
+            log.warning(
+                "hand-over refused: the successor reads state versions %s, this is %d",
+                versions,
+                VERSION,
+            )
+            await _try_send(channel, {"t": "refused", "why": f"state version {VERSION}"})
+            return False
+        started = time.monotonic()
+        await self.stop_work()
+        pause.request()
+        committed = False
+        try:
+            await self._wait_for_rest()
+            await self._send_state(channel, started)
+            with trio.fail_after(self.timeout):
+                reply, _ = await channel.receive()
+            if reply.get("t") != "ready":
+                raise HandOverFailed(f"the successor said {reply.get('why') or reply.get('t')}")
+            committed = True  # from here on, the state is the successor's
+            await _try_send(channel, {"t": "go"})
+            with trio.move_on_after(DONE_TIMEOUT):
+                await channel.receive()  # "done", or EOF: either way we are finished
+        except (HandOverFailed, ChannelError, StateError, trio.TooSlowError) as error:
+            if committed:
+                log.warning("hand-over: the successor went quiet after go (%s)", error)
+            else:
+                why = "no answer in time" if isinstance(error, trio.TooSlowError) else str(error)
+                log.warning("hand-over failed: %s; serving on", why)
+                await _try_send(channel, {"t": "aborted", "why": why})
+                pause.resume()
+                self.restart_work()
+                return False
+        pause_ms = (time.monotonic() - started) * 1000
+        log.info("handed over to the successor after a %.0f ms pause; exiting", pause_ms)
+        return True
+
+    async def _wait_for_rest(self) -> None:
+        """Until every connection with a session has parked (or ended)."""
+        service, pause = self.service, self.service.pause
+        with trio.move_on_after(self.timeout) as late:
+            while True:
+                parked = {id(p.conn) for p in pause.parked.values() if p.conn is not None}
+                if all(id(conn) in parked for conn in service.connections):
+                    break
+                await pause.wait_for_change(0.01)
+        if late.cancelled_caught:
+            busy = len(service.connections) - len(pause.parked)
+            raise HandOverFailed(f"{busy} connections did not reach a request boundary")
+
+    async def _send_state(self, channel: Channel, started: float) -> None:
+        listeners = self.listeners
+        kinds = [kind for _, kind in listeners.lock]
+        fds = [sock.fileno() for sock, _ in listeners.lock]
+        if listeners.http is not None:
+            kinds.append("http")
+            fds.append(listeners.http.fileno())
+        if listeners.control is not None:
+            kinds.append("control")
+            fds.append(listeners.control.fileno())
+        await channel.send(
+            {
+                "t": "header",
+                "format": FORMAT,
+                "version": VERSION,
+                "pid": os.getpid(),
+                "paused_at": started,
+                "dumped_at": time.monotonic(),
+                "listeners": kinds,
+            },
+            fds[:MAX_FDS_PER_MESSAGE],
+        )
+        connections: list[ConnectionState] = []
+        movable = 0
+        for parked in self.service.pause.parked.values():
+            if isinstance(parked.transport, SocketTransport):
+                connections.append(ConnectionState(parked, movable))
+                movable += 1
+            else:  # TLS or WebSocket: its byte stream cannot move (docs/upgrade.md)
+                connections.append(ConnectionState(parked, None))
+        now = trio.current_time()
+        sent = 0
+        for record in dump_state(self.service, connections, now):
+            if record["t"] != "connection":
+                await channel.send(record)
+                continue
+            state = connections[sent]  # connection records come in the list's order
+            sent += 1
+            transport = state.parked.transport
+            if state.fd is None:
+                await channel.send(record)
+            else:
+                assert isinstance(transport, SocketTransport)
+                await channel.send(record, [transport.sock.fileno()])
+
+
+async def _try_send(channel: Channel, message: dict[str, Any]) -> None:
+    """Send if the peer still listens: a message it will not read changes nothing."""
+    with contextlib.suppress(ChannelError):
+        await channel.send(message)
+
+
+# --------------------------------------------------------------------- the taker
+
+
+@dataclass
+class TakenOver:
+    """What a successor received: listeners and connections to serve, and how to
+    tell the old process it may go."""
+
+    listeners: Listeners
+    connections: list[Parked]
+    channel: Channel
+    old_pid: int
+    paused_at: float
+    sessions: int
+    holds: int
+
+    async def finish(self) -> None:
+        """Serving now: tell the old process it may exit, and log the pause."""
+        await _try_send(self.channel, {"t": "done"})
+        self.channel.close()
+        pause_ms = (time.monotonic() - self.paused_at) * 1000
+        log.info(
+            "took over from pid %d: %d connections, %d sessions, %d holds; pause %.0f ms",
+            self.old_pid,
+            len(self.connections),
+            self.sessions,
+            self.holds,
+            pause_ms,
+        )
+
+
+async def take_over(path: str, service: Service, closer: Closer) -> TakenOver:
+    """Connect to the old process at ``path`` and take everything it has; the
+    caller serves it, then calls :meth:`TakenOver.finish`. A
+    :class:`~elockd.startup.StartupError` names what went wrong."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError as error:
+        sock.close()
+        raise StartupError(
+            f"--take-over {path}: {error.strerror.lower() if error.strerror else error}"
+        ) from None
+    channel = Channel(sock)
+    try:
+        return await _receive_everything(path, channel, service, closer)
+    except BaseException:
+        channel.close()
+        raise
+
+
+async def _receive_everything(
+    path: str, channel: Channel, service: Service, closer: Closer
+) -> TakenOver:
+    await channel.send({"t": "hello", "format": FORMAT, "versions": [VERSION]})
+    try:
+        header, fds = await channel.receive()
+        if header.get("t") == "refused":
+            raise StartupError(f"--take-over {path}: refused: {header.get('why')}")
+        if header.get("t") == "aborted":
+            raise StartupError(f"--take-over {path}: the old process aborted: {header.get('why')}")
+        if header.get("t") != "header" or header.get("format") != FORMAT:
+            raise StartupError(f"--take-over {path}: not an elockd control socket")
+        if header.get("version") != VERSION:
+            for fd in fds:
+                os.close(fd)
+            await _try_send(
+                channel, {"t": "refused", "why": f"unknown version {header.get('version')}"}
+            )
+            raise StartupError(
+                f"--take-over {path}: state version {header.get('version')} is unknown "
+                f"(this elockd reads version {VERSION}); the old process serves on"
+            )
+        listeners = _listeners(header["listeners"], fds, service)
+        elapsed = time.monotonic() - float(header["dumped_at"])
+        restorer = Restorer(service, trio.current_time() - elapsed)
+        transports: dict[int, SocketTransport] = {}
+        send_timeout = service.config.send_timeout
+        while not restorer.ended:
+            record, fds = await channel.receive()
+            if record.get("t") == "aborted":
+                raise StartupError(
+                    f"--take-over {path}: the old process aborted: {record.get('why')}"
+                )
+            if fds:
+                sock = socket.socket(fileno=fds[0])
+                transports[record["fd"]] = SocketTransport(sock, send_timeout, closer)
+            restorer.feed(record)
+        connections = restorer.connections(dict(transports))
+    except (ChannelError, StateError, KeyError, TypeError, ValueError) as error:
+        await _try_send(channel, {"t": "refused", "why": str(error)})
+        raise StartupError(f"--take-over {path}: {error}") from None
+    await channel.send({"t": "ready"})
+    try:
+        decision, _ = await channel.receive()
+    except ChannelError:
+        decision = {"t": "go"}  # the old process is gone after ready: it never serves again
+    if decision.get("t") != "go":
+        raise StartupError(f"--take-over {path}: the old process aborted: {decision.get('why')}")
+    engine = service.backend
+    return TakenOver(
+        listeners,
+        connections,
+        channel,
+        int(header["pid"]),
+        float(header["paused_at"]),
+        sessions=len(engine.sessions),
+        holds=len(engine.exclusive) + engine.shared_holders,
+    )
+
+
+def _listeners(kinds: list[str], fds: list[int], service: Service) -> Listeners:
+    if len(kinds) != len(fds):
+        raise StateError("listeners and descriptors do not match")
+    listeners = Listeners()
+    for kind, fd in zip(kinds, fds, strict=True):
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        if kind == "http":
+            listeners.http = sock
+        elif kind == "control":
+            listeners.control = sock
+        elif kind in ("tcp", "unix", "tls"):
+            if kind == "tls" and not service.config.tls_cert:
+                raise StateError("the lock port is TLS and this process has no --tls-cert")
+            listeners.lock.append((sock, kind))
+        else:
+            raise StateError(f"unknown listener kind {kind!r}")
+    return listeners

@@ -1,0 +1,405 @@
+"""The state a hand-over moves, as a stream of records (docs/upgrade.md).
+
+Pure: no sockets, no clock. :func:`dump_state` walks the in-memory backend and the
+parked connections and yields JSON-ready records a batch at a time, so the state is
+never built whole a second time; :class:`Restorer` takes them in, in the same order,
+and rebuilds the tables in a fresh backend.
+
+Times move as durations: a hold's age, a lease's and a wait's time left, a grace's
+time left. Each process has its own clock, and only "how long from now" means the
+same in both. Bytes (keys, peers, names, unread requests) travel as latin-1
+strings, which map every byte to one character and back.
+
+Order is kept where the protocol shows it: the tables' key order (``d``), a shared
+key's holders, every queue (FIFO grants), the arrival serials that keep ``mlock``
+deadlock-free, and the order names were set (``who``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from elockd.framing import LineReader
+from elockd.memory import MemoryBackend
+from elockd.pause import Backlog, Parked
+from elockd.protocol import WORD, Connection, Outcome, Service
+from elockd.sessions import WAITING, Hold, Session, Waiter
+from elockd.transport import Transport
+from elockd.word import WAIT_REPLIES
+
+#: What the stream is, and the versions of it this code reads and writes. A
+#: successor refuses any other version, and the old server then serves on.
+FORMAT = "elockd-state"
+VERSION = 1
+
+#: Rows per record: a record stays well under a megabyte even with long keys.
+BATCH = 2000
+
+Record = dict[str, Any]
+
+
+class StateError(Exception):
+    """The stream is not a state this code can adopt (the message says why)."""
+
+
+def text(data: bytes) -> str:
+    return data.decode("latin-1")
+
+
+def raw(data: str) -> bytes:
+    return data.encode("latin-1")
+
+
+def _left(deadline: float | None, now: float) -> float | None:
+    return None if deadline is None or deadline == math.inf else deadline - now
+
+
+def _batches(kind: str, rows: Iterator[list[Any]]) -> Iterator[Record]:
+    batch: list[list[Any]] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) >= BATCH:
+            yield {"t": kind, "rows": batch}
+            batch = []
+    if batch:
+        yield {"t": kind, "rows": batch}
+
+
+@dataclass
+class ConnectionState:
+    """A parked connection as the state names it: ``fd`` is its place among the
+    sockets sent along, or None when its socket cannot move (TLS, WebSocket)."""
+
+    parked: Parked
+    fd: int | None
+
+
+def dump_state(
+    service: Service, connections: list[ConnectionState], now: float
+) -> Iterator[Record]:
+    """The records of the whole state, in the order :class:`Restorer` reads them."""
+    engine = service.backend
+    if not isinstance(engine, MemoryBackend):
+        raise StateError("only the in-memory backend's state moves")
+    counters, timings = service.counters, service.timings
+    yield {
+        "t": "engine",
+        "next_token": engine._next_token,
+        "orphans": engine.orphans,
+        "shared_orphans": engine.shared_orphans,
+        "expired": engine.expired,
+        "timeouts": engine.timeouts,
+        "commands": {text(verb): count for verb, count in counters.commands.items()},
+        "invalid_commands": counters.invalid_commands,
+        "handovers": counters.handovers,
+        "timings": {
+            kind: [[b.counts, b.sum] for b in buckets]
+            for kind, buckets in (("wait", timings.wait), ("hold", timings.hold))
+        },
+    }
+    index: dict[Session, int] = {}
+
+    def sessions() -> Iterator[list[Any]]:
+        for session in engine.sessions.values():
+            index[session] = len(index)
+            yield [
+                session.id,
+                text(session.peer),
+                None if session.name is None else text(session.name),
+                session.grace,
+                session.connected,
+                _left(session.grace_deadline, now),
+            ]
+
+    yield from _batches("sessions", sessions())
+    yield from _batches(
+        "exclusive",
+        (
+            [text(key), index[h.session], h.token, now - h.granted_at, _left(h.lease_deadline, now)]
+            for key, h in engine.exclusive.items()
+        ),
+    )
+    yield from _batches(
+        "shared",
+        (
+            [text(h.key), index[h.session], now - h.granted_at, _left(h.lease_deadline, now)]
+            for entry in engine.shared.values()
+            for h in ([entry] if isinstance(entry, Hold) else list(entry.values()))
+        ),
+    )
+    # Every waiting request, and those a parked connection still has to answer.
+    waiters = {w for session in engine.sessions.values() for w in session.waiters}
+    waiters.update(
+        c.parked.backlog.pending.later.waiter  # type: ignore[attr-defined]
+        for c in connections
+        if c.parked.backlog.pending is not None
+    )
+    refs: dict[Waiter, int] = {}
+    ordered = sorted(waiters, key=lambda w: w.serial)
+    for waiter in ordered:
+        refs[waiter] = len(refs)
+    yield from _batches(
+        "waiters",
+        (
+            [
+                w.serial,
+                index[w.session],
+                [text(k) for k in w.keys],
+                w.shared,
+                w.limit,
+                w.ttl,
+                now - w.since,
+                _left(w.deadline, now) if w.state == WAITING else None,
+                [text(k) for k in w.taken],
+                w.missing,
+                w.count,
+                w.state,
+            ]
+            for w in ordered
+        ),
+    )
+    yield from _batches(
+        "queues",
+        (
+            [table, text(key), [refs[w] for w in queue]]
+            for table, queues in (("x", engine._xqueues), ("s", engine._squeues))
+            for key, queue in queues.items()
+        ),
+    )
+    yield from _batches("ending", ([index[session], why] for session, why in engine._ending))
+    # The next arrival serial (taking one from the counter costs nothing: serials
+    # only need to grow).
+    yield {"t": "engine_tail", "next_arrival": next(engine._arrivals)}
+    named = {conn: place for place, conn in enumerate(service.named)}
+    finish_names: dict[object, str] = {finish: name for name, finish in WAIT_REPLIES.items()}
+    for state in connections:
+        parked = state.parked
+        conn, backlog, reader = parked.conn, parked.backlog, parked.reader
+        pending = None
+        if backlog.pending is not None:
+            waiter = backlog.pending.later.waiter  # type: ignore[attr-defined]
+            pending = [refs[waiter], finish_names[backlog.pending.finish]]
+        yield {
+            "t": "connection",
+            "fd": state.fd,
+            "session": None if conn is None else index[conn.session],
+            "peer": text(parked.peer),
+            "authenticated": conn is None or conn.authenticated,
+            "named": None if conn is None else named.get(conn),
+            "pending": pending,
+            "lines": [None if line is None else text(line) for line in backlog.lines],
+            "partial": text(bytes(reader._partial)),
+            "discarding": reader._discarding,
+            "read_ahead": text(getattr(parked.transport, "read_ahead", b"")),
+        }
+    yield {"t": "end"}
+
+
+@dataclass
+class Adopted:
+    """A connection rebuilt from the state: serve it with ``parked`` as the resumed
+    state once its socket (``fd``) is wrapped in ``parked.transport``."""
+
+    fd: int
+    parked: Parked
+    read_ahead: bytes
+
+
+class Restorer:
+    """Rebuilds the state into a fresh service's in-memory backend, record by record.
+
+    :meth:`feed` each record in order; :meth:`connections` then gives the
+    connections to serve, given a transport for each socket."""
+
+    def __init__(self, service: Service, now: float) -> None:
+        engine = service.backend
+        if not isinstance(engine, MemoryBackend):
+            raise StateError("only the in-memory backend takes a state over")
+        if engine.sessions:
+            raise StateError("the backend already has sessions")
+        self.service = service
+        self.engine = engine
+        self.now = now
+        self.sessions: list[Session] = []
+        self.waiters: list[Waiter] = []
+        self.records: list[Record] = []  # the connection records, for connections()
+        self.ended = False
+
+    def feed(self, record: Record) -> None:
+        kind = record.get("t")
+        handler = getattr(self, f"_{kind}", None)
+        if handler is None or self.ended:
+            raise StateError(f"unexpected record {kind!r}")
+        handler(record)
+
+    # Each record kind, in stream order.
+
+    def _engine(self, record: Record) -> None:
+        engine, counters, timings = self.engine, self.service.counters, self.service.timings
+        engine._next_token = max(engine._next_token, int(record["next_token"]))
+        engine.orphans = record["orphans"]
+        engine.shared_orphans = record["shared_orphans"]
+        engine.expired = record["expired"]
+        engine.timeouts = record["timeouts"]
+        for verb, count in record["commands"].items():
+            if raw(verb) in counters.commands:
+                counters.commands[raw(verb)] = count
+        counters.invalid_commands = record["invalid_commands"]
+        counters.handovers = record["handovers"] + 1
+        for kind, buckets in (("wait", timings.wait), ("hold", timings.hold)):
+            for target, (counts, total) in zip(buckets, record["timings"][kind], strict=True):
+                if len(counts) != len(target.counts):
+                    raise StateError(f"{kind} histogram has other buckets")
+                target.counts[:] = counts
+                target.sum = total
+
+    def _sessions(self, record: Record) -> None:
+        engine, now = self.engine, self.now
+        for session_id, peer, name, grace, connected, grace_left in record["rows"]:
+            session = Session(session_id, raw(peer))
+            session.name = None if name is None else raw(name)
+            session.grace = grace
+            session.connected = connected
+            engine.sessions[session_id] = session
+            if not connected:
+                engine.detached += 1
+            if grace_left is not None:
+                engine.sessions_in_grace += 1
+                session.grace_deadline = now + grace_left
+                engine.schedule(session.grace_deadline, session)
+            self.sessions.append(session)
+
+    def _lease(self, hold: Hold, left: float | None) -> None:
+        if left is not None:
+            self.engine.set_lease(hold, self.now + left)
+
+    def _exclusive(self, record: Record) -> None:
+        engine, now, sessions = self.engine, self.now, self.sessions
+        for key, owner, token, age, left in record["rows"]:
+            session = sessions[owner]
+            hold = Hold(session, raw(key), False, token, now - age)
+            engine.exclusive[hold.key] = hold
+            session.exclusive[hold.key] = hold
+            self._lease(hold, left)
+
+    def _shared(self, record: Record) -> None:
+        engine, now, sessions = self.engine, self.now, self.sessions
+        for key, owner, age, left in record["rows"]:
+            session = sessions[owner]
+            hold = Hold(session, raw(key), True, 0, now - age)
+            entry = engine.shared.get(hold.key)
+            if entry is None:
+                engine.shared[hold.key] = hold
+            elif isinstance(entry, Hold):
+                engine.shared[hold.key] = {entry.session: entry, session: hold}
+            else:
+                entry[session] = hold
+            session.shared[hold.key] = hold
+            engine.shared_holders += 1
+            self._lease(hold, left)
+
+    def _waiters(self, record: Record) -> None:
+        engine, now = self.engine, self.now
+        for row in record["rows"]:
+            serial, owner, keys, shared, limit, ttl, waited, left, taken, missing, count, state = (
+                row
+            )
+            session = self.sessions[owner]
+            waiter = Waiter(
+                session,
+                tuple(raw(k) for k in keys),
+                shared=shared,
+                limit=limit,
+                ttl=ttl,
+                since=now - waited,
+            )
+            waiter.serial = serial
+            waiter.taken = [raw(k) for k in taken]
+            waiter.missing = missing
+            waiter.count = count
+            waiter.state = state
+            if state == WAITING:
+                session.waiters.add(waiter)
+                engine.waiting += 1
+                if left is not None:
+                    waiter.deadline = now + left
+                    engine.schedule(waiter.deadline, waiter)
+            self.waiters.append(waiter)
+
+    def _queues(self, record: Record) -> None:
+        engine = self.engine
+        for table, key, refs in record["rows"]:
+            queues = engine._xqueues if table == "x" else engine._squeues
+            queue = queues.setdefault(raw(key), OrderedDict())
+            for ref in refs:
+                queue[self.waiters[ref]] = None
+
+    def _ending(self, record: Record) -> None:
+        for owner, why in record["rows"]:
+            session = self.sessions[owner]
+            session.ending = True
+            self.engine._ending.append((session, why))
+
+    def _engine_tail(self, record: Record) -> None:
+        self.engine._arrivals = itertools.count(record["next_arrival"])
+        if self.engine._ending and self.engine.on_new_deadline is not None:
+            self.engine.on_new_deadline()
+
+    def _connection(self, record: Record) -> None:
+        self.records.append(record)
+
+    def _end(self, record: Record) -> None:
+        self.ended = True
+
+    # ------------------------------------------------------------------ the end
+
+    def connections(self, transports: dict[int, Transport]) -> list[Parked]:
+        """The connections to serve on, one per socket in ``transports`` (keyed by
+        the fd index of the state); the sessions of connections whose socket could
+        not move are disconnected now, by their usual rules."""
+        if not self.ended:
+            raise StateError("the state ended early")
+        service, engine, now = self.service, self.engine, self.now
+        served: list[Parked] = []
+        named: list[tuple[int, Connection]] = []
+        for record in self.records:
+            owner = record["session"]
+            session = None if owner is None else self.sessions[owner]
+            fd = record["fd"]
+            if fd is None or fd not in transports:
+                if session is not None and session.connected:
+                    engine.disconnect(session, now)
+                continue
+            peer = raw(record["peer"])
+            conn = None
+            backlog = Backlog(lines=[None if x is None else raw(x) for x in record["lines"]])
+            if session is not None:
+                conn = Connection(service, peer, session)
+                if record["authenticated"]:
+                    conn.authenticate()
+                if record["named"] is not None:
+                    named.append((record["named"], conn))
+                if record["pending"] is not None:
+                    ref, reply = record["pending"]
+                    later = engine.later_for(self.waiters[ref])
+                    backlog.pending = Outcome(later, WAIT_REPLIES[reply], WORD, peer)
+            reader = LineReader(service.config.max_line)
+            reader._partial = bytearray(raw(record["partial"]))
+            reader._discarding = record["discarding"]
+            transport = transports[fd]
+            transport.read_ahead = raw(record["read_ahead"])  # type: ignore[attr-defined]
+            served.append(Parked(conn, reader, transport, peer, backlog))
+        for _, conn in sorted(named, key=lambda pair: pair[0]):
+            service.named[conn] = None
+        # Sessions that were connected but came without a connection (none should):
+        # treated as a connection that closed at the hand-over.
+        served_sessions = {id(p.conn.session) for p in served if p.conn is not None}
+        for session in self.sessions:
+            if session.connected and id(session) not in served_sessions:
+                engine.disconnect(session, now)
+        return served

@@ -1,0 +1,28 @@
+"""systemd's readiness protocol: one datagram to ``$NOTIFY_SOCKET`` (sd_notify(3)).
+
+No library: the protocol is a single ``sendto``. ``READY=1`` when the server
+listens; after a hand-over the successor also sends ``MAINPID=`` so that systemd
+follows it as the unit's main process (the unit needs ``NotifyAccess=all``, since
+the successor is not the process systemd started).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def sd_notify(*assignments: str) -> bool:
+    """Send ``KEY=VALUE`` lines to systemd; False when not run by systemd (or the
+    socket is gone: readiness is advice, never a reason to fail)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):  # an abstract socket
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto("\n".join(assignments).encode(), address)
+    except OSError:
+        return False
+    return True
