@@ -23,6 +23,7 @@ from elockd.client.core import printable, quoted, terse_answer
 from elockd.ctl_args import PROBE_VERBS, build_parser, client_options, parse
 from elockd.ctl_lock import run_locked
 from elockd.ctl_status import EXIT_FALSE, failure, say, where
+from elockd.ctl_upgrade import run_upgrade
 
 #: Probes that take a hold, which ends as soon as elockctl's connection does.
 HOLDING_PROBES = frozenset({"g", "sg"})
@@ -38,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "lock":
             return trio.run(run_locked, args, options)
+        if args.command == "upgrade":
+            return run_upgrade(args)
         return run_one_liner(args, options)
     except BrokenPipeError:  # `elockctl stats | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -188,6 +188,24 @@ def build_parser() -> Parser:
     dump = commands.add_parser("dump", help="every hold: 'KEY: OWNER' lines")
     dump.add_argument("--shared", action="store_true", help="shared holds instead of exclusive")
     add_lock_parser(commands)
+    upgrade = commands.add_parser(
+        "upgrade",
+        help="hand a running elockd's connections and locks to a new one",
+        description="Start 'elockd --take-over PATH FLAGS' (the elockd beside this "
+        "elockctl) and wait until it serves every connection and lock of the elockd "
+        "whose --control-socket is PATH. Exit 0 when it does; 3 when it did not (the "
+        "old one then serves on). See docs/upgrade.md.",
+        usage="elockctl upgrade PATH [--wait S] -- [ELOCKD FLAGS...]",
+    )
+    upgrade.add_argument("control", metavar="PATH", help="the old elockd's --control-socket")
+    upgrade.add_argument(
+        "--wait",
+        type=positive_seconds,
+        default=60.0,
+        metavar="S",
+        help="seconds the new elockd has to take over (default: 60)",
+    )
+    upgrade.add_argument("argv", nargs="*", metavar="-- FLAGS", help="the new elockd's flags")
     parser.commands = dict(commands.choices)
     return parser
 
@@ -254,13 +272,17 @@ def parse(parser: Parser, raw: list[str]) -> argparse.Namespace:
     come after KEY (``elockctl lock KEY --wait 5 -- COMMAND``).
     """
     command: list[str] | None = None
-    if "lock" in raw and "--" in raw and raw.index("lock") < raw.index("--"):
-        cut = raw.index("--")
-        args = parser.parse_args(raw[:cut])
-        if args.command == "lock":
-            command = raw[cut + 1 :]
+    for verb in ("lock", "upgrade"):
+        if verb in raw and "--" in raw and raw.index(verb) < raw.index("--"):
+            cut = raw.index("--")
+            args = parser.parse_args(raw[:cut])
+            if args.command == verb:
+                command = raw[cut + 1 :]
+            break
     if command is None:
         args = parser.parse_args(raw)
+    elif args.command == "upgrade":
+        args.argv = [*args.argv, *command]
     if args.command == "lock":
         check_lock_args(parser.commands["lock"], args, command)
     elif args.command == "info":

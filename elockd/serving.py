@@ -49,26 +49,26 @@ async def serve_connection(
     pause = service.pause
     transport.pause = pause
     if resumed is None:
+        rest = Parked(None, LineReader(service.config.max_line), transport, peer, Backlog())
         if pause.requested:  # accepted just before a hand-over: nothing handled yet
-            resumed = Parked(None, LineReader(service.config.max_line), transport, peer, Backlog())
             try:
-                await pause.park(resumed)
+                await pause.park(rest)
             except HandedOver:
                 return
         log_connection_open(peer)
-        conn = Connection(service, peer)
-        reader = LineReader(service.config.max_line)
-        backlog = Backlog()
+        rest.conn = Connection(service, peer)
     else:
-        conn = resumed.conn if resumed.conn is not None else Connection(service, peer)
-        reader, backlog = resumed.reader, resumed.backlog
-    idle_timeout = service.config.idle_timeout
+        rest = resumed
+        if rest.conn is None:
+            rest.conn = Connection(service, peer)
+    conn = rest.conn
+    transport.rest = rest
     handed_over = False
     try:
         # The backend may end the connection (its session was lost) through abort.
         with trio.CancelScope() as ended:
             conn.set_abort(ended.cancel)
-            await _serve_requests(conn, reader, transport, idle_timeout, backlog)
+            await _serve_requests(conn, rest, service.config.idle_timeout)
     except trio.BrokenResourceError:
         pass  # the peer is gone; nothing to tell it
     except HandedOver:
@@ -82,13 +82,7 @@ async def serve_connection(
             log_connection_close(peer)
 
 
-async def _serve_requests(
-    conn: Connection,
-    reader: LineReader,
-    transport: Transport,
-    idle_timeout: float | None,
-    backlog: Backlog,
-) -> None:
+async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | None) -> None:
     """Read, answer and write until the peer leaves or asks to close.
 
     The fast path: every complete line of a received chunk is answered at once, and
@@ -97,17 +91,17 @@ async def _serve_requests(
     after the replies before it went out, so they stay in order.
 
     A pause for a hand-over (:mod:`elockd.pause`) stops it between two requests: what
-    is left of the chunk (and a request still waiting) is parked as ``backlog``.
+    is left of the chunk (and a request still waiting) is the backlog in ``rest``.
     After a failed hand-over it goes on with the backlog first."""
     pause = conn.service.pause
+    reader, transport, backlog = rest.reader, rest.transport, rest.backlog
     while not conn.closing:
         if backlog.pending is not None:
-            outcome, backlog.pending = backlog.pending, None
-            delivered = await deliver(outcome, transport)
+            delivered = await deliver(backlog.pending, transport)
             if delivered is None:
-                backlog.pending = outcome  # still waiting in the engine
-                await _park(conn, reader, transport, backlog)
+                await pause.park(rest)  # the request still waits in the engine
                 continue
+            backlog.pending = None
             if not delivered:
                 return
             if conn.closing:
@@ -122,8 +116,10 @@ async def _serve_requests(
                     data = b""  # stays empty when the idle timeout ends the connection
                     with trio.move_on_after(idle_timeout):
                         data = await transport.receive()
+                    if not data and pause.requested:
+                        raise Interrupted  # it went idle too long during a hand-over
             except Interrupted:
-                await _park(conn, reader, transport, backlog)
+                await pause.park(rest)
                 continue
             if not data:
                 break
@@ -138,12 +134,15 @@ async def _serve_requests(
                     await transport.send(b"".join(replies))
                     replies.clear()
                     buffered = 0
+                # While it waits, the connection rests with this request pending.
+                backlog.lines = lines[index + 1 :]
+                if isinstance(reply, Outcome) and reply.waits:
+                    backlog.pending = reply
                 delivered = await deliver(reply, transport)
                 if delivered is None:  # paused while the request waits for its grant
-                    assert isinstance(reply, Outcome)
-                    backlog.pending, backlog.lines = reply, lines[index + 1 :]
-                    await _park(conn, reader, transport, backlog)
+                    await pause.park(rest)
                     break
+                backlog.pending, backlog.lines = None, []
                 if not delivered:
                     return  # the client left while its request waited
                 if conn.closing:
@@ -169,24 +168,17 @@ async def _serve_requests(
                     await transport.send(b"".join(replies))
                     replies.clear()
                 backlog.lines = lines[index + 1 :]
-                await _park(conn, reader, transport, backlog)
+                await pause.park(rest)
                 break
         if replies:
             await transport.send(b"".join(replies))
 
 
-async def _park(
-    conn: Connection, reader: LineReader, transport: Transport, backlog: Backlog
-) -> None:
-    """Rest at a request boundary until the hand-over is decided (see
-    :mod:`elockd.pause`); raises :class:`~elockd.pause.HandedOver` if it succeeded."""
-    await conn.service.pause.park(Parked(conn, reader, transport, conn.peer, backlog))
-
-
 async def deliver(reply: Reply, transport: Transport) -> bool | None:
     """Send a reply that was not ready at once; False when the client went away while
     its request waited (its session's disconnect then cancels the wait), None when a
-    hand-over's pause came first (the request still waits in the engine)."""
+    hand-over's pause came first (the request still waits in the engine, or was
+    granted but not answered: either way the reply is whoever serves it next's)."""
     if isinstance(reply, Outcome):
         try:
             settled = await settle(reply, transport)
@@ -194,6 +186,8 @@ async def deliver(reply: Reply, transport: Transport) -> bool | None:
             return None
         if settled is None:
             return False
+        if reply.waits and transport.pause.requested:
+            return None  # granted while the connection counted as at rest
         reply = settled
     elif isinstance(reply, Delayed):
         await trio.sleep(reply.seconds)

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import trio
 
-from elockd.pause import NEVER, Interrupted, Pause
+from elockd.pause import NEVER, Interrupted, Parked, Pause
 
 RECEIVE_SIZE = 65536
 #: While a request waits, bytes read ahead of it are kept up to this much; past it
@@ -30,9 +30,12 @@ class Transport(Protocol):
     #: True when a multi-line reply must go out whole, in one send (a WebSocket
     #: message); else it is sent a chunk at a time as the client reads.
     whole_replies: bool
-    #: Set by the connection's loop: a hand-over's pause interrupts a waiting read
-    #: (:class:`~elockd.pause.Interrupted`).
+    #: Set by the connection's loop: while a read waits, the connection rests as
+    #: ``rest`` (it counts as parked for a hand-over's ``pause``), and a read that
+    #: ends while the pause lasts raises :class:`~elockd.pause.Interrupted` instead
+    #: of returning.
     pause: Pause
+    rest: Parked | None
 
     async def receive(self) -> bytes:
         """The next chunk, or b"" once the peer is gone."""
@@ -48,12 +51,13 @@ class Transport(Protocol):
 class _ReadAhead:
     """What both transports share: data read while a request waited comes first."""
 
-    __slots__ = ("_read_ahead", "pause")
+    __slots__ = ("_read_ahead", "pause", "rest")
     whole_replies = False
 
     def __init__(self) -> None:
         self._read_ahead = b""
         self.pause = NEVER
+        self.rest: Parked | None = None
 
     @property
     def read_ahead(self) -> bytes:
@@ -79,7 +83,17 @@ class _ReadAhead:
             if not data:
                 return
             self._read_ahead += data
+        await rest_forever(self.pause, self.rest)
+
+
+async def rest_forever(pause: Pause, rest: Parked | None) -> None:
+    """Sleep until cancelled, counted as at rest for a hand-over meanwhile."""
+    if rest is not None:
+        pause.idle.add(rest)
+    try:
         await trio.sleep_forever()
+    finally:
+        pause.idle.discard(rest)
 
 
 #: Sockets a :class:`Closer` closes before it lets other tasks run.
@@ -161,10 +175,16 @@ class SocketTransport(_ReadAhead):
             return b""
 
     async def _receive_raw(self) -> bytes:
-        sock = self.sock
+        sock, pause, rest = self.sock, self.pause, self.rest
         while True:
-            with self.pause.interruptible():
+            if rest is not None:
+                pause.idle.add(rest)
+            try:
                 await trio.lowlevel.wait_readable(sock)
+            finally:
+                pause.idle.discard(rest)
+            if pause.requested:
+                raise Interrupted
             try:
                 return sock.recv(RECEIVE_SIZE)
             except BlockingIOError:
@@ -217,11 +237,21 @@ class StreamTransport(_ReadAhead):
         self.send_timeout = send_timeout
 
     async def _receive_raw(self) -> bytes:
+        pause, rest = self.pause, self.rest
+        if rest is not None:
+            pause.idle.add(rest)
         try:
-            with self.pause.interruptible():
-                return bytes(await self.stream.receive_some(RECEIVE_SIZE))
+            data = bytes(await self.stream.receive_some(RECEIVE_SIZE))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return b""
+            data = b""
+        finally:
+            pause.idle.discard(rest)
+        if pause.requested:
+            # What came stays for the next read (this connection cannot move, but
+            # a failed hand-over serves it on).
+            self._read_ahead += data
+            raise Interrupted
+        return data
 
     async def send(self, data: bytes) -> None:
         view = memoryview(data)

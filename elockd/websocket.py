@@ -24,10 +24,10 @@ from typing import Any
 
 import trio
 
-from elockd.pause import NEVER
+from elockd.pause import NEVER, Interrupted, Parked
 from elockd.protocol import Service
 from elockd.serving import ConnectionSlots, peer_name, serve_connection
-from elockd.transport import READ_AHEAD_LIMIT
+from elockd.transport import READ_AHEAD_LIMIT, rest_forever
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -55,13 +55,25 @@ class WebSocketTransport:
         self._text = True  # the type of the message being answered
         self._closed = False
         self.pause = NEVER
+        self.rest: Parked | None = None
+        self._held: dict[str, Any] | None = None  # a message received during a pause
 
     async def _next(self) -> tuple[bool, bytes] | None:
         """The next message as (text?, bytes), or None once the peer has gone."""
         if self._closed:
             return None
-        with self.pause.interruptible():
-            message = await self._receive()
+        message, self._held = self._held, None
+        if message is None:
+            pause, rest = self.pause, self.rest
+            if rest is not None:
+                pause.idle.add(rest)
+            try:
+                message = await self._receive()
+            finally:
+                pause.idle.discard(rest)
+            if pause.requested:  # a hand-over's pause: keep it for after
+                self._held = message
+                raise Interrupted
         if message["type"] != "websocket.receive":
             self._closed = True  # websocket.disconnect
             return None
@@ -91,7 +103,7 @@ class WebSocketTransport:
                 return
             self._ahead.append(got)
             self._ahead_bytes += len(got[1])
-        await trio.sleep_forever()
+        await rest_forever(self.pause, self.rest)
 
     async def send(self, data: bytes) -> None:
         if self._closed:

@@ -3,8 +3,12 @@ the first (docs/upgrade.md), against real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import trio
+import trustme
 
 from tests.conftest import LineClient
+from tests.hostile_tools import latency_probe
 from tests.server_process import start_server, stop_server
 
 FAKE_SUCCESSOR = str(Path(__file__).with_name("fake_successor.py"))
@@ -178,3 +184,172 @@ def test_the_control_socket_is_private(tmp_path: Path) -> None:
     control = tmp_path / "control.sock"
     with old_server(control):
         assert os.stat(control).st_mode & 0o777 == 0o600
+
+
+async def tls_connect(port: int, ca: trustme.CA) -> LineClient:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    stream = trio.SSLStream(
+        await trio.open_tcp_stream("127.0.0.1", port), context, server_hostname="127.0.0.1"
+    )
+    await stream.do_handshake()
+    return LineClient(stream)  # type: ignore[arg-type]
+
+
+async def test_tls_connections_close_and_their_sessions_wait_in_grace(
+    tmp_path: Path, ca: trustme.CA, tls_files: dict[str, str]
+) -> None:
+    """A TLS stream cannot move: its connection closes at the hand-over, its word
+    session waits out its grace on the successor, and conn_id takes it back there;
+    a plain terse hold of a TLS client is freed as at any disconnect."""
+    control = tmp_path / "control.sock"
+    tls = ("--tls-cert", tls_files["cert"], "--tls-key", tls_files["key"])
+    with old_server(control, *tls) as (old, port):
+        worker = await tls_connect(port, ca)
+        assert await ask(worker, b"set_timeout 30000") == b"200 timeout set\r\n"
+        assert await ask(worker, b"lock nightly") == b"200 Acquired\r\n"
+        session_id = (await ask(worker, b"conn_id"))[4:].strip()
+        plain = await tls_connect(port, ca)
+        assert await ask(plain, b"g terse-key") == b"1 Got Lock\r\n"
+        new = await trio.to_thread.run_sync(lambda: take_over(control, *tls))
+        try:
+            assert await wait_exit(old, 10) == 0
+            with pytest.raises((EOFError, trio.BrokenResourceError)):
+                await ask(worker, b"ping")
+            back = await tls_connect(port, ca)
+            assert await ask(back, b"i terse-key") == b"0 Not Locked\r\n"
+            assert await ask(back, b"conn_id " + session_id) == b"200 conn id set\r\n"
+            assert (await ask(back, b"info nightly")).startswith(b"200 key=nightly exclusive=")
+            assert await ask(back, b"unlock nightly") == b"200 Unlocked\r\n"
+        finally:
+            stop_server(new)
+
+
+async def test_a_handed_over_session_can_still_be_taken_over_by_conn_id(tmp_path: Path) -> None:
+    control = tmp_path / "control.sock"
+    with old_server(control) as (old, port):
+        worker = await connect(port)
+        assert await ask(worker, b"set_timeout 30000") == b"200 timeout set\r\n"
+        assert await ask(worker, b"lock nightly") == b"200 Acquired\r\n"
+        session_id = (await ask(worker, b"conn_id"))[4:].strip()
+        new = await trio.to_thread.run_sync(lambda: take_over(control))
+        try:
+            assert await wait_exit(old, 10) == 0
+            assert await ask(worker, b"ping") == b"200 PONG\r\n"  # the same connection
+            await worker.stream.aclose()  # a network blip
+            back = await connect(port)
+            with trio.fail_after(5):
+                while (
+                    reply := await ask(back, b"conn_id " + session_id)
+                ) != b"200 conn id set\r\n":
+                    assert reply == b"403 cannot set conn id\r\n"  # not noticed the close yet
+                    await trio.sleep(0.01)
+            assert await ask(back, b"unlock nightly") == b"200 Unlocked\r\n"
+        finally:
+            stop_server(new)
+
+
+async def test_elockctl_upgrade_starts_the_successor_and_tells_systemd(tmp_path: Path) -> None:
+    control = tmp_path / "control.sock"
+    with (
+        old_server(control) as (old, port),
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd,
+    ):
+        systemd.bind(str(tmp_path / "notify"))
+        holder = await connect(port)
+        assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
+        upgrade = await trio.run_process(
+            [
+                sys.executable,
+                "-m",
+                "elockd.ctl",
+                "upgrade",
+                str(control),
+                "--",
+                "--metrics-port",
+                "0",
+                "--control-socket",
+                str(control),
+            ],
+            capture_stdout=True,
+            check=False,
+            env={**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify")},
+        )
+        assert upgrade.returncode == 0, upgrade.stderr
+        new_pid = int(re.search(rb"elockd pid (\d+) took over", upgrade.stdout)[1])  # type: ignore[index]
+        try:
+            assert await wait_exit(old, 10) == 0
+            systemd.settimeout(5)
+            told = systemd.recv(4096).split(b"\n")
+            assert f"MAINPID={new_pid}".encode() in told and b"READY=1" in told
+            assert await ask(holder, b"i k1") == b"1 Locked\r\n"
+            # The successor listens on the control socket in turn.
+            again = await trio.run_process(
+                [sys.executable, "-m", "elockd.ctl", "upgrade", str(control)],
+                capture_stdout=True,
+                check=False,
+            )
+            assert again.returncode == 0
+            third_pid = int(re.search(rb"elockd pid (\d+) took over", again.stdout)[1])  # type: ignore[index]
+            assert await ask(holder, b"i k1") == b"1 Locked\r\n"
+            os.kill(third_pid, signal.SIGTERM)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(new_pid, signal.SIGKILL)
+
+
+async def test_elockctl_upgrade_reports_a_successor_that_cannot_start(tmp_path: Path) -> None:
+    control = tmp_path / "control.sock"
+    with old_server(control) as (old, port):
+        holder = await connect(port)
+        assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
+        upgrade = await trio.run_process(
+            [
+                sys.executable,
+                "-m",
+                "elockd.ctl",
+                "upgrade",
+                str(control),
+                "--",
+                "--max-connections",
+                "nonsense",
+            ],
+            capture_stderr=True,
+            check=False,
+        )
+        assert upgrade.returncode == 3, upgrade.stderr
+        assert b"the old one serves on" in upgrade.stderr
+        assert await ask(holder, b"i k1") == b"1 Locked\r\n"
+        assert old.poll() is None
+
+
+@pytest.mark.serial
+async def test_the_pause_with_a_thousand_connections_stays_under_100_ms(tmp_path: Path) -> None:
+    """1,000 connections each holding a lock, and a probe doing g/r every 5 ms: the
+    longest round trip across the hand-over is the pause clients see."""
+    control = tmp_path / "control.sock"
+    old_log: list[str] = []
+    with old_server(control, "--max-connections", "2000", log=old_log) as (old, port):
+        crowd = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(1000)]
+        for index, stream in enumerate(crowd):
+            await stream.send_all(b"g crowd-%d\n" % index)
+        for stream in crowd:
+            assert await stream.receive_some(100) == b"1 Got Lock\r\n"
+        new_log: list[str] = []
+        async with latency_probe(port) as probe:
+            await trio.sleep(0.2)
+            new = await trio.to_thread.run_sync(lambda: take_over(control, log=new_log))
+            try:
+                assert await wait_exit(old, 10) == 0
+                await trio.sleep(0.2)
+            except BaseException:
+                stop_server(new)
+                raise
+        try:
+            fresh = await connect(port)
+            assert await ask(fresh, b"i crowd-999") == b"1 Locked\r\n"
+        finally:
+            stop_server(new)
+    print(f"probe worst {probe.worst * 1000:.1f} ms over {probe.count} round trips")
+    print("".join(line for line in old_log + new_log if "took over" in line or "PHASE" in line))
+    assert probe.worst < 0.1, probe.worst

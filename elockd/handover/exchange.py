@@ -171,12 +171,12 @@ class Giver:
         service, pause = self.service, self.service.pause
         with trio.move_on_after(self.timeout) as late:
             while True:
-                parked = {id(p.conn) for p in pause.parked.values() if p.conn is not None}
-                if all(id(conn) in parked for conn in service.connections):
+                resting = {id(p.conn) for p in pause.resting() if p.conn is not None}
+                if all(id(conn) in resting for conn in service.connections):
                     break
                 await pause.wait_for_change(0.01)
         if late.cancelled_caught:
-            busy = len(service.connections) - len(pause.parked)
+            busy = len(service.connections) - len(pause.resting())
             raise HandOverFailed(f"{busy} connections did not reach a request boundary")
 
     async def _send_state(self, channel: Channel, started: float) -> None:
@@ -203,7 +203,7 @@ class Giver:
         )
         connections: list[ConnectionState] = []
         movable = 0
-        for parked in self.service.pause.parked.values():
+        for parked in self.service.pause.resting():
             if isinstance(parked.transport, SocketTransport):
                 connections.append(ConnectionState(parked, movable))
                 movable += 1
@@ -212,17 +212,16 @@ class Giver:
         now = trio.current_time()
         sent = 0
         for record in dump_state(self.service, connections, now):
-            if record["t"] != "connection":
-                await channel.send(record)
-                continue
-            state = connections[sent]  # connection records come in the list's order
-            sent += 1
-            transport = state.parked.transport
-            if state.fd is None:
-                await channel.send(record)
-            else:
-                assert isinstance(transport, SocketTransport)
-                await channel.send(record, [transport.sock.fileno()])
+            fds = []
+            if record["t"] == "connections":
+                # Their rows come in the list's order; each movable one brings its socket.
+                for state in connections[sent : sent + len(record["rows"])]:
+                    if state.fd is not None:
+                        transport = state.parked.transport
+                        assert isinstance(transport, SocketTransport)
+                        fds.append(transport.sock.fileno())
+                sent += len(record["rows"])
+            await channel.send(record, fds)
 
 
 async def _try_send(channel: Channel, message: dict[str, Any]) -> None:
@@ -315,9 +314,13 @@ async def _receive_everything(
                 raise StartupError(
                     f"--take-over {path}: the old process aborted: {record.get('why')}"
                 )
-            if fds:
-                sock = socket.socket(fileno=fds[0])
-                transports[record["fd"]] = SocketTransport(sock, send_timeout, closer)
+            if record.get("t") == "connections":
+                movable = [row["fd"] for row in record["rows"] if row["fd"] is not None]
+                if len(movable) != len(fds):
+                    raise StateError("connections and descriptors do not match")
+                for place, fd in zip(movable, fds, strict=True):
+                    sock = socket.socket(fileno=fd)
+                    transports[place] = SocketTransport(sock, send_timeout, closer)
             restorer.feed(record)
         connections = restorer.connections(dict(transports))
     except (ChannelError, StateError, KeyError, TypeError, ValueError) as error:

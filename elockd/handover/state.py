@@ -12,7 +12,8 @@ strings, which map every byte to one character and back.
 
 Order is kept where the protocol shows it: the tables' key order (``d``), a shared
 key's holders, every queue (FIFO grants), the arrival serials that keep ``mlock``
-deadlock-free, and the order names were set (``who``).
+deadlock-free, the order names were set (``who``), and the order deadlines were
+set, which decides what runs first when two fall due at the same instant.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ VERSION = 1
 
 #: Rows per record: a record stays well under a megabyte even with long keys.
 BATCH = 2000
+#: Connections per record: each brings its socket, and one message carries at most
+#: 253 descriptors (SCM_MAX_FD).
+CONNECTIONS_BATCH = 250
 
 Record = dict[str, Any]
 
@@ -68,6 +72,26 @@ def _batches(kind: str, rows: Iterator[list[Any]]) -> Iterator[Record]:
             batch = []
     if batch:
         yield {"t": kind, "rows": batch}
+
+
+Deadlined = Hold | Session | Waiter
+
+
+def _deadline_order(engine: MemoryBackend) -> dict[Deadlined, int]:
+    """When each live deadline was set, as the heap's tie-break count of its entry.
+
+    Deadlines that fall due at the same instant run in the order they were set: a
+    wait and the lease it waits for ending together time the waiter out, or grant it
+    the key, by which came first; two leases ending together hand their keys to
+    their waiters, and fencing tokens, in that order. The successor sets its
+    deadlines again in this order, so the same one runs first. One pass over the
+    heap, no sort: the successor sorts, after the pause's critical part."""
+    heap = engine._deadlines
+    order: dict[Deadlined, int] = {}
+    for deadline, tiebreak, target in heap._heap:
+        if heap.is_current(deadline, target) and tiebreak < order.get(target, tiebreak + 1):
+            order[target] = tiebreak  # a target's first live entry is the one that runs
+    return order
 
 
 @dataclass
@@ -103,6 +127,7 @@ def dump_state(
         },
     }
     index: dict[Session, int] = {}
+    order = _deadline_order(engine)  # the last field of each row with a deadline
 
     def sessions() -> Iterator[list[Any]]:
         for session in engine.sessions.values():
@@ -114,20 +139,34 @@ def dump_state(
                 session.grace,
                 session.connected,
                 _left(session.grace_deadline, now),
+                order.get(session),
             ]
 
     yield from _batches("sessions", sessions())
     yield from _batches(
         "exclusive",
         (
-            [text(key), index[h.session], h.token, now - h.granted_at, _left(h.lease_deadline, now)]
+            [
+                text(key),
+                index[h.session],
+                h.token,
+                now - h.granted_at,
+                _left(h.lease_deadline, now),
+                order.get(h),
+            ]
             for key, h in engine.exclusive.items()
         ),
     )
     yield from _batches(
         "shared",
         (
-            [text(h.key), index[h.session], now - h.granted_at, _left(h.lease_deadline, now)]
+            [
+                text(h.key),
+                index[h.session],
+                now - h.granted_at,
+                _left(h.lease_deadline, now),
+                order.get(h),
+            ]
             for entry in engine.shared.values()
             for h in ([entry] if isinstance(entry, Hold) else list(entry.values()))
         ),
@@ -159,6 +198,7 @@ def dump_state(
                 w.missing,
                 w.count,
                 w.state,
+                order.get(w) if w.state == WAITING else None,
             ]
             for w in ordered
         ),
@@ -177,6 +217,7 @@ def dump_state(
     yield {"t": "engine_tail", "next_arrival": next(engine._arrivals)}
     named = {conn: place for place, conn in enumerate(service.named)}
     finish_names: dict[object, str] = {finish: name for name, finish in WAIT_REPLIES.items()}
+    rows: list[Record] = []
     for state in connections:
         parked = state.parked
         conn, backlog, reader = parked.conn, parked.backlog, parked.reader
@@ -184,19 +225,25 @@ def dump_state(
         if backlog.pending is not None:
             waiter = backlog.pending.later.waiter  # type: ignore[attr-defined]
             pending = [refs[waiter], finish_names[backlog.pending.finish]]
-        yield {
-            "t": "connection",
-            "fd": state.fd,
-            "session": None if conn is None else index[conn.session],
-            "peer": text(parked.peer),
-            "authenticated": conn is None or conn.authenticated,
-            "named": None if conn is None else named.get(conn),
-            "pending": pending,
-            "lines": [None if line is None else text(line) for line in backlog.lines],
-            "partial": text(bytes(reader._partial)),
-            "discarding": reader._discarding,
-            "read_ahead": text(getattr(parked.transport, "read_ahead", b"")),
-        }
+        rows.append(
+            {
+                "fd": state.fd,
+                "session": None if conn is None else index[conn.session],
+                "peer": text(parked.peer),
+                "authenticated": conn is None or conn.authenticated,
+                "named": None if conn is None else named.get(conn),
+                "pending": pending,
+                "lines": [None if line is None else text(line) for line in backlog.lines],
+                "partial": text(bytes(reader._partial)),
+                "discarding": reader._discarding,
+                "read_ahead": text(getattr(parked.transport, "read_ahead", b"")),
+            }
+        )
+        if len(rows) == CONNECTIONS_BATCH:
+            yield {"t": "connections", "rows": rows}
+            rows = []
+    if rows:
+        yield {"t": "connections", "rows": rows}
     yield {"t": "end"}
 
 
@@ -227,6 +274,8 @@ class Restorer:
         self.now = now
         self.sessions: list[Session] = []
         self.waiters: list[Waiter] = []
+        # (order, deadline, target): set once every table is in, in the old order.
+        self.deadlines: list[tuple[int | None, float, Deadlined]] = []
         self.records: list[Record] = []  # the connection records, for connections()
         self.ended = False
 
@@ -260,7 +309,7 @@ class Restorer:
 
     def _sessions(self, record: Record) -> None:
         engine, now = self.engine, self.now
-        for session_id, peer, name, grace, connected, grace_left in record["rows"]:
+        for session_id, peer, name, grace, connected, grace_left, order in record["rows"]:
             session = Session(session_id, raw(peer))
             session.name = None if name is None else raw(name)
             session.grace = grace
@@ -271,25 +320,25 @@ class Restorer:
             if grace_left is not None:
                 engine.sessions_in_grace += 1
                 session.grace_deadline = now + grace_left
-                engine.schedule(session.grace_deadline, session)
+                self.deadlines.append((order, session.grace_deadline, session))
             self.sessions.append(session)
 
-    def _lease(self, hold: Hold, left: float | None) -> None:
+    def _lease(self, hold: Hold, left: float | None, order: int | None) -> None:
         if left is not None:
-            self.engine.set_lease(hold, self.now + left)
+            self.deadlines.append((order, self.now + left, hold))
 
     def _exclusive(self, record: Record) -> None:
         engine, now, sessions = self.engine, self.now, self.sessions
-        for key, owner, token, age, left in record["rows"]:
+        for key, owner, token, age, left, order in record["rows"]:
             session = sessions[owner]
             hold = Hold(session, raw(key), False, token, now - age)
             engine.exclusive[hold.key] = hold
             session.exclusive[hold.key] = hold
-            self._lease(hold, left)
+            self._lease(hold, left, order)
 
     def _shared(self, record: Record) -> None:
         engine, now, sessions = self.engine, self.now, self.sessions
-        for key, owner, age, left in record["rows"]:
+        for key, owner, age, left, order in record["rows"]:
             session = sessions[owner]
             hold = Hold(session, raw(key), True, 0, now - age)
             entry = engine.shared.get(hold.key)
@@ -301,14 +350,26 @@ class Restorer:
                 entry[session] = hold
             session.shared[hold.key] = hold
             engine.shared_holders += 1
-            self._lease(hold, left)
+            self._lease(hold, left, order)
 
     def _waiters(self, record: Record) -> None:
         engine, now = self.engine, self.now
         for row in record["rows"]:
-            serial, owner, keys, shared, limit, ttl, waited, left, taken, missing, count, state = (
-                row
-            )
+            (
+                serial,
+                owner,
+                keys,
+                shared,
+                limit,
+                ttl,
+                waited,
+                left,
+                taken,
+                missing,
+                count,
+                state,
+            ) = row[:12]
+            order = row[12]
             session = self.sessions[owner]
             waiter = Waiter(
                 session,
@@ -328,7 +389,7 @@ class Restorer:
                 engine.waiting += 1
                 if left is not None:
                     waiter.deadline = now + left
-                    engine.schedule(waiter.deadline, waiter)
+                    self.deadlines.append((order, waiter.deadline, waiter))
             self.waiters.append(waiter)
 
     def _queues(self, record: Record) -> None:
@@ -347,11 +408,19 @@ class Restorer:
 
     def _engine_tail(self, record: Record) -> None:
         self.engine._arrivals = itertools.count(record["next_arrival"])
+        # Every deadline, in the order the old process set them (_deadline_order).
+        self.deadlines.sort(key=lambda entry: math.inf if entry[0] is None else entry[0])
+        for _, deadline, target in self.deadlines:
+            if isinstance(target, Hold):
+                self.engine.set_lease(target, deadline)
+            else:
+                self.engine.schedule(deadline, target)
+        self.deadlines = []
         if self.engine._ending and self.engine.on_new_deadline is not None:
             self.engine.on_new_deadline()
 
-    def _connection(self, record: Record) -> None:
-        self.records.append(record)
+    def _connections(self, record: Record) -> None:
+        self.records.extend(record["rows"])
 
     def _end(self, record: Record) -> None:
         self.ended = True

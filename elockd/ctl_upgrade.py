@@ -1,0 +1,102 @@
+"""``elockctl upgrade PATH -- [ELOCKD FLAGS]``: hand a running elockd over to a new one.
+
+It starts ``elockd --take-over PATH FLAGS`` (whatever ``elockd`` is on the PATH next
+to elockctl: the new version after an install), detached so that it outlives this
+command, and waits for the outcome:
+
+* the new process says it serves (``READY=1`` on a notify socket of our own, the
+  systemd protocol): exit 0;
+* it exits first (refused, or the old one aborted): its status is reported and the
+  old process serves on: exit 3.
+
+Under systemd (``ExecReload=``) ``$NOTIFY_SOCKET`` is set: the new process's
+``MAINPID=``/``READY=1`` message is passed on to it, so systemd follows the new main
+process (docs/upgrade.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from elockd.ctl_status import EXIT_ERROR, say
+
+
+def elockd_command() -> list[str]:
+    """The elockd beside this elockctl (the same install), else this interpreter's."""
+    beside = Path(sys.argv[0]).resolve().with_name("elockd")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return [str(beside)]
+    found = shutil.which("elockd")
+    return [found] if found else [sys.executable, "-m", "elockd"]
+
+
+def run_upgrade(args: argparse.Namespace) -> int:
+    control: str = args.control
+    if not Path(control).exists():
+        say(f"upgrade: {control}: no control socket (start elockd with --control-socket)")
+        return EXIT_ERROR
+    upstream = os.environ.get("NOTIFY_SOCKET")
+    with tempfile.TemporaryDirectory(prefix="elockctl-") as scratch:
+        notify_path = str(Path(scratch) / "notify")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+            notify.bind(notify_path)
+            env = {**os.environ, "NOTIFY_SOCKET": notify_path}
+            command = [*elockd_command(), "--take-over", control, *args.argv]
+            # Its log goes where ours does (stderr: the journal under systemd); it
+            # prints nothing on stdout, which is ours to report with.
+            process = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            message = _wait_ready(notify, process, args.wait)
+    if message is None:
+        status = process.poll()
+        if status is None:
+            process.kill()
+            say(f"upgrade: the new elockd did not serve within {args.wait:g} s; stopped it")
+        else:
+            say(f"upgrade: the new elockd exited with status {status}; the old one serves on")
+        return EXIT_ERROR
+    if upstream:
+        _forward(upstream, message)
+    print(f"elockd pid {process.pid} took over from {control}")
+    return 0
+
+
+def _wait_ready(
+    notify: socket.socket, process: subprocess.Popen[bytes], wait: float
+) -> bytes | None:
+    """The notify message that says READY=1, or None if the process exited first."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        notify.settimeout(0.1)
+        try:
+            message = notify.recv(4096)
+        except TimeoutError:
+            if process.poll() is not None:
+                return None
+            continue
+        if b"READY=1" in message.split(b"\n"):
+            return message
+    return None
+
+
+def _forward(address: str, message: bytes) -> None:
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as upstream:
+            upstream.sendto(message, address)
+    except OSError as error:
+        say(f"upgrade: could not tell systemd ($NOTIFY_SOCKET): {error.strerror}")
