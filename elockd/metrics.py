@@ -135,6 +135,12 @@ class ElockdCollector(Collector):
         orphans.add_metric(["shared"], engine.shared_orphans)
         yield orphans
         yield CounterMetricFamily(
+            "elockd_handovers",
+            "Hand-overs to a successor process this server's state went through "
+            "(q: handovers; docs/upgrade.md).",
+            value=counters.handovers,
+        )
+        yield CounterMetricFamily(
             "elockd_invalid_commands",
             "Requests with an unknown verb, or lines over --max-line (q: invalid_commands).",
             value=counters.invalid_commands,

@@ -82,7 +82,9 @@ def test_systemd_analyze_verifies_the_unit_with_a_real_venv(tmp_path: Path) -> N
     text = UNIT.read_text()
     assert "ExecStart=/opt/elockd/bin/elockd " in text
     unit = tmp_path / "elockd.service"
-    unit.write_text(text.replace("/opt/elockd/bin/elockd", str(elockd)))
+    # ExecStart runs elockd and ExecReload elockctl, both from the venv's bin.
+    assert "ExecReload=/opt/elockd/bin/elockctl upgrade " in text
+    unit.write_text(text.replace("/opt/elockd/bin/", f"{elockd.parent}/"))
     result = subprocess.run(
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=30
     )
