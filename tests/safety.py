@@ -27,14 +27,21 @@ What is checked (:func:`check`): no two exclusive holders of a key overlap; neve
 more than ``limit`` shared holders of a key; fencing tokens strictly increase per key
 in grant order and are unique, also across the keys of one ``mlock`` (every grant
 has a token of its own, on a cluster too); a plain hold is never lost (its release
-succeeds); a
-lease is never freed before its ttl; no client saw a malformed reply or a stall. After
-the run, :func:`final_state_problems` checks, on every node, that every freed hold
-was re-grantable: the server reports nothing held, waiting or leased, and a fresh
+succeeds); a lease is never freed before its ttl; no client saw a malformed reply, an
+error it did not ask for, an end of its connection or a stall (each ends that client
+with an ``error`` record, which :func:`check` reports). After the run,
+:func:`final_state_problems` checks, on every node, that every freed hold was
+re-grantable: the server reports nothing held, waiting or leased, and a fresh
 client takes every key at once.
 
-Run it with ``python -m tests.safety run --seconds 60`` (it starts its own server),
-or through ``tests/test_safety.py`` (``make stress`` sets ``STRESS_SECONDS``) and,
+With ``handovers=N`` (and a :class:`ServerChain`), N times during the run, spread out,
+a successor ``elockd --take-over`` takes the server over (docs/upgrade.md) while the
+clients go on; each predecessor must exit 0, and clients must notice nothing. The
+final checks then run against the last process, which must count N hand-overs.
+
+Run it with ``python -m tests.safety run --seconds 60 [--handovers 5]`` (it starts its
+own server), or through ``tests/test_safety.py`` (``make stress`` sets
+``STRESS_SECONDS``, and ``HANDOVER_STRESS_SECONDS`` for the hand-over run) and,
 against two cluster nodes, ``tests/test_cluster_safety.py``.
 """
 
@@ -58,6 +65,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.server_process import start_server, stop_server
+
 #: Keys taken exclusively (``g``, ``lock``, ``mlock``): few, so clients collide often.
 EXCLUSIVE_KEYS = [f"x{i}" for i in range(6)]
 #: Keys taken shared, each always with the same ``limit`` (the limit belongs to the
@@ -66,6 +75,9 @@ SHARED_LIMITS = {"s1": 1, "s2": 2, "s3": 3}
 REPLY_TIMEOUT = 10.0  # a reply slower than this counts as a stall (a violation)
 MAX_WAIT = 0.4  # longest WAIT a client asks for, so workers stop promptly
 MAX_TTL = 1.0  # longest lease; the final check waits this long for leases to end
+#: How long a predecessor may take to exit once its successor says it listens: the
+#: successor only says so after it has everything, so the old one has nothing left to do.
+HANDOVER_EXIT_TIMEOUT = 10.0
 
 Record = dict[str, Any]
 
@@ -364,17 +376,129 @@ class Report:
     releases: int = 0
     expired_leases_seen: int = 0
     max_shared: dict[str, int] = field(default_factory=dict)
+    #: Hand-overs done: predecessors that exited 0 once their successor listened.
+    handovers: int = 0
+    #: When each of them began (its successor started) and was done (its predecessor
+    #: exited), in seconds from the start of the run.
+    handovers_at: list[tuple[float, float]] = field(default_factory=list)
+    #: Client sessions answered both before a hand-over began and after it was done:
+    #: their connection moved to the successor, open, and went on.
+    carried_sessions: int = 0
+    #: What each successor logged when it took over (what moved, how long the pause).
+    handover_notes: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         grants = ", ".join(f"{via} {n}" for via, n in sorted(self.grants.items()))
+        handovers = ""
+        if self.handovers_at:
+            at = ", ".join(f"{began:.1f}-{done:.1f}" for began, done in self.handovers_at)
+            handovers = (
+                f"; {self.handovers} hand-overs, at {at} s, {self.carried_sessions} client "
+                f"sessions answered across one"
+            )
         return (
             f"safety: {self.seconds:.0f} s, {self.workers_started} worker processes, "
-            f"{self.kills} SIGKILLed; grants: {grants}; releases {self.releases}; "
-            f"leases seen expiring {self.expired_leases_seen}; "
-            f"max shared holders {self.max_shared} (limits {SHARED_LIMITS}); "
+            f"{self.kills} SIGKILLed; grants: {grants} ({sum(self.grants.values())} in all); "
+            f"releases {self.releases}; leases seen expiring {self.expired_leases_seen}; "
+            f"max shared holders {self.max_shared} (limits {SHARED_LIMITS}){handovers}; "
             f"violations {len(self.violations)}"
-        )
+        ) + "".join(f"\n  hand-over {n}: {note}" for n, note in enumerate(self.handover_notes, 1))
+
+
+# ------------------------------------------------------------------ hand-overs
+
+
+class ServerChain:
+    """One elockd and the successors that take it over in turn, on one control socket.
+
+    Why a class: across hand-overs the port stays the same but the process changes,
+    and the checker must know which process is the live one (to stop it at the end,
+    and to see that each predecessor really went away, with status 0). Successors get
+    the same flags as the first process (its limits), so a hand-over changes nothing
+    but the process. Use it as a context manager: every process it started is
+    stopped, by pid, on the way out.
+    """
+
+    def __init__(self, directory: Path, *args: str) -> None:
+        self.control = directory / "control.sock"
+        self.args = args
+        self.processes: list[subprocess.Popen[str]] = []
+        self.logs: list[list[str]] = []  # what each process logged, in start order
+        self.handovers = 0  # predecessors that exited 0 after their successor listened
+        self.problems: list[str] = []
+        self.notes: list[str] = []  # each successor's own word on what it took over
+        self.current, self.port = self._start("--control-socket", str(self.control))
+
+    def _start(self, *args: str) -> tuple[subprocess.Popen[str], int]:
+        log: list[str] = []
+        self.logs.append(log)
+        process, port = start_server(*args, *self.args, log=log)
+        self.processes.append(process)
+        return process, port
+
+    def hand_over(self, *extra: str) -> bool:
+        """Start a successor (``extra``: flags for it alone), wait until the current
+        process exits, and say whether the hand-over was done: the successor listens on
+        the same port and its predecessor exited 0. Anything else goes to
+        :attr:`problems`; a successor that fails to start leaves the old one serving."""
+        number = self.handovers + 1
+        try:
+            successor, port = self._start("--take-over", str(self.control), *extra)
+        except RuntimeError as error:
+            self.problems.append(
+                f"hand-over {number}: the successor failed to start ({error}): "
+                f"{last_lines(self.logs[-1])}"
+            )
+            return False
+        previous, self.current = self.current, successor
+        try:
+            code = previous.wait(timeout=HANDOVER_EXIT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.problems.append(
+                f"hand-over {number}: pid {previous.pid} still runs "
+                f"{HANDOVER_EXIT_TIMEOUT:.0f} s after its successor took over"
+            )
+            return False
+        if code != 0:
+            log = self.logs[self.processes.index(previous)]
+            self.problems.append(
+                f"hand-over {number}: pid {previous.pid} exited with {code}: {last_lines(log)}"
+            )
+            return False
+        if port != self.port:
+            self.problems.append(f"hand-over {number}: the successor listens on {port}")
+            return False
+        self.handovers += 1
+        took = [line for line in self.logs[-1] if "took over from pid" in line]
+        self.notes.append(took[0].split("] ", 1)[-1].strip() if took else "(not logged)")
+        return True
+
+    def __enter__(self) -> ServerChain:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for process in self.processes:
+            stop_server(process)
+
+
+def last_lines(log: list[str], count: int = 5) -> str:
+    """The end of a process's log, on one line, for a problem report."""
+    return " | ".join(line.strip() for line in log[-count:]) or "(nothing logged)"
+
+
+def hand_over_on_schedule(
+    chain: ServerChain, when: Sequence[float], report: Report, start: float
+) -> None:
+    """Hand ``chain`` over at each time in ``when`` (monotonic, sorted); a late one
+    follows its predecessor at once. Stops at the first hand-over that was not done:
+    after a failure, which process serves is the thing in question."""
+    for moment in when:
+        time.sleep(max(0.0, moment - time.monotonic()))
+        began = time.monotonic() - start
+        if not chain.hand_over():
+            return
+        report.handovers_at.append((began, time.monotonic() - start))
 
 
 def spawn_worker(
@@ -400,14 +524,35 @@ def run(
     clients: int = 6,
     seed: int = 1,
     kill_every: tuple[float, float] = (0.3, 1.5),
+    handovers: int = 0,
+    chain: ServerChain | None = None,
 ) -> Report:
     """Drive the server at ``ports`` (one port, or the nodes of one cluster) for
-    ``seconds``, then check everything."""
+    ``seconds``, then check everything.
+
+    ``handovers``: how many times ``chain`` (the server at ``ports``) is handed over
+    to a successor during the run, at evenly spread times with some jitter. Kills go
+    on meanwhile, so a worker may die in the middle of a hand-over."""
     nodes = [ports] if isinstance(ports, int) else list(ports)
+    if handovers and (chain is None or nodes != [chain.port]):
+        raise ValueError("handovers need the ServerChain that serves the one port")
     rng = random.Random(seed)
     start = time.monotonic()
     deadline = start + seconds
     report = Report(seconds)
+    handing_over: threading.Thread | None = None
+    if chain is not None and handovers:
+        # A generator of its own, so that the kill schedule of a seed stays the same.
+        jitter = random.Random(seed + 1)
+        spacing = seconds / (handovers + 1)
+        when = [
+            start + spacing * (n + 1) + jitter.uniform(-spacing / 4, spacing / 4)
+            for n in range(handovers)
+        ]
+        handing_over = threading.Thread(
+            target=hand_over_on_schedule, args=(chain, when, report, start), daemon=True
+        )
+        handing_over.start()
     kills: dict[str, float] = {}  # pid -> when the parent decided to kill it
     live: list[Any] = []
     finished: list[Any] = []
@@ -443,10 +588,23 @@ def run(
         if code != 0:
             report.violations.append(f"worker {process.pid} exited with {code}")
         finished.append(process)
+    expected_handovers = None
+    if chain is not None and handing_over is not None:
+        # Each hand-over is bounded by its exit timeout once its successor started.
+        handing_over.join(timeout=handovers * (HANDOVER_EXIT_TIMEOUT + 30))
+        if handing_over.is_alive():
+            report.violations.append("the hand-overs did not finish (a successor hangs?)")
+        report.violations.extend(chain.problems)
+        report.handovers = chain.handovers
+        report.handover_notes = chain.notes
+        if report.handovers != handovers:
+            report.violations.append(f"{report.handovers} of {handovers} hand-overs done")
+        expected_handovers = report.handovers
     records = list(load_records(out_dir))
     check(records, kills, report)
+    count_carried(records, [(start + b, start + d) for b, d in report.handovers_at], report)
     for port in nodes:
-        report.violations.extend(final_state_problems(port))
+        report.violations.extend(final_state_problems(port, handovers=expected_handovers))
     return report
 
 
@@ -457,6 +615,28 @@ def load_records(out_dir: Path) -> Iterator[Record]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue  # the last line of a killed client, half written
+
+
+def count_carried(
+    records: list[Record], handovers: Sequence[tuple[float, float]], report: Report
+) -> None:
+    """Count what lived through a hand-over (``handovers``: when each began and was
+    done, monotonic), so that a clean run shows it tested the hand-overs themselves
+    and not the quiet between them."""
+    session_of: dict[str, str] = {}
+    answered: dict[str, list[float]] = defaultdict(list)  # session -> reply times
+    for record in records:
+        if record["ev"] == "grant":
+            session_of[record["hold"]] = record["session"]
+            answered[record["session"]].append(record["t"])
+    for record in records:
+        session = session_of.get(record.get("hold", ""))
+        if session is not None and record["ev"] in ("released", "renewed", "renew_refused"):
+            answered[session].append(record["t"])
+    report.carried_sessions = sum(
+        any(min(times) < began and max(times) > done for began, done in handovers)
+        for times in answered.values()
+    )
 
 
 # ------------------------------------------------------------------ the checks
@@ -597,11 +777,14 @@ def check_shared(key: str, key_holds: list[Interval], report: Report) -> None:
     report.max_shared[key] = peak
 
 
-def final_state_problems(port: int, settle: float = MAX_TTL + 5.0) -> list[str]:
+def final_state_problems(
+    port: int, settle: float = MAX_TTL + 5.0, *, handovers: int | None = None
+) -> list[str]:
     """Every freed hold is grantable again: once the dead clients are noticed and the
     leases have run out, the server holds nothing and a fresh client gets every key.
     A cluster node reports the cluster's locks and waiters (its own leases and
-    connections): run it on each node in turn."""
+    connections): run it on each node in turn. ``handovers``: how many the server
+    must count (``q``), so the process that answers is the last of the chain."""
     try:
         conn = LineSocket(port)
     except OSError as error:
@@ -624,6 +807,11 @@ def final_state_problems(port: int, settle: float = MAX_TTL + 5.0) -> list[str]:
                 ]
             time.sleep(0.05)
         problems = []
+        if handovers is not None and stats.get("handovers") != handovers:
+            problems.append(
+                f"the server at port {port} counts {stats.get('handovers')} hand-overs, "
+                f"not {handovers}"
+            )
         reply = conn.request("mlock " + " ".join(EXCLUSIVE_KEYS))
         if reply != "200 Acquired":
             problems.append(f"a fresh client of port {port} could not take every key: {reply!r}")
@@ -642,21 +830,6 @@ def final_state_problems(port: int, settle: float = MAX_TTL + 5.0) -> list[str]:
 # ------------------------------------------------------------------------ CLI
 
 
-def start_server() -> tuple[subprocess.Popen[str], int]:
-    """``python -m elockd`` on a free port (for the command line; tests use
-    the ``spawn_server`` fixture)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "elockd", "--port", "0", "--metrics-port", "0"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    for line in process.stderr:
-        if "listening on" in line:
-            return process, int(line.split("listening on ", 1)[1].split(",")[0].rsplit(":", 1)[1])
-    raise RuntimeError(f"server did not start (exit {process.wait()})")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.safety", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -671,21 +844,23 @@ def main(argv: list[str] | None = None) -> int:
     runner.add_argument("--processes", type=int, default=4)
     runner.add_argument("--clients", type=int, default=6)
     runner.add_argument("--seed", type=int, default=int(time.time()))
+    runner.add_argument(
+        "--handovers", type=int, default=0, help="hand the server over this many times"
+    )
     args = parser.parse_args(argv)
     if args.command == "worker":
         worker_main(args.port, args.seed, args.clients, args.deadline, args.out)
         return 0
-    server, port = start_server()
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            report = run(
-                port, args.seconds, Path(out), processes=args.processes,
-                clients=args.clients, seed=args.seed,
-            )  # fmt: skip
-    finally:
-        server.terminate()
-        server.wait()
-    print(report.summary())
+    with (
+        tempfile.TemporaryDirectory() as out,
+        tempfile.TemporaryDirectory() as control,
+        ServerChain(Path(control)) as chain,
+    ):
+        report = run(
+            chain.port, args.seconds, Path(out), processes=args.processes,
+            clients=args.clients, seed=args.seed, handovers=args.handovers, chain=chain,
+        )  # fmt: skip
+    print(f"seed {args.seed}: {report.summary()}")
     for violation in report.violations:
         print("VIOLATION:", violation)
     return 1 if report.violations else 0

@@ -1,17 +1,32 @@
 """The safety checker (tests/safety.py): a short real run, and proof that it can fail.
 
 ``STRESS_SECONDS`` sets the length of the real run (default 6 s; ``make stress``
-runs it longer).
+runs it longer); ``HANDOVER_STRESS_SECONDS`` that of the run with five hand-overs
+(default 8 s: each takes up to a second, and all must land while the clients run).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.safety import Record, Report, check, run
+import pytest
+
+from tests.safety import (
+    Client,
+    Record,
+    Report,
+    ServerChain,
+    check,
+    final_state_problems,
+    load_records,
+    run,
+)
 
 SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
 
@@ -27,6 +42,85 @@ def test_no_violation_under_random_kills(spawn_server: SpawnServer, tmp_path: Pa
     assert report.kills >= 1
     assert all(report.grants.get(via, 0) > 0 for via in ("g", "lock", "mlock", "lock_shared"))
     assert report.max_shared.get("s3", 0) >= 2
+
+
+def test_no_violation_and_nothing_noticed_across_five_handovers(tmp_path: Path) -> None:
+    """The issue's bar: five hand-overs during the run, zero exclusion or limit
+    violations, and no client sees an end of its connection or an error it did not
+    ask for (either is an ``error`` record, hence a violation)."""
+    seconds = float(os.environ.get("HANDOVER_STRESS_SECONDS", "8"))
+    seed = int(os.environ.get("STRESS_SEED", "1"))
+    records = tmp_path / "records"
+    records.mkdir()
+    with ServerChain(tmp_path) as chain:
+        report = run(chain.port, seconds, records, seed=seed, handovers=5, chain=chain)
+        print(f"seed {seed}: {report.summary()}")
+        assert report.violations == []
+        # Every hand-over happened: six processes, the first five exited 0 (each
+        # once its successor listened), the last one serves and passed the final check.
+        assert report.handovers == 5
+        assert len(chain.processes) == 6
+        assert [process.returncode for process in chain.processes[:5]] == [0] * 5
+        assert chain.current is chain.processes[5] and chain.current.poll() is None
+    # ... all while the clients ran, and connections moved open and went on being
+    # answered (so the clients had every chance to notice).
+    assert all(done < seconds for _, done in report.handovers_at), report.handovers_at
+    assert report.carried_sessions > 0
+    assert report.kills >= 1
+    assert all(report.grants.get(via, 0) > 0 for via in ("g", "lock", "mlock", "lock_shared"))
+
+
+def test_a_successor_that_cannot_start_is_reported_and_the_old_one_serves(
+    tmp_path: Path,
+) -> None:
+    with ServerChain(tmp_path) as chain:
+        first = chain.current
+        assert chain.hand_over("--max-connections", "nonsense") is False
+        assert chain.handovers == 0
+        assert any("failed to start" in problem for problem in chain.problems), chain.problems
+        assert chain.current is first and first.poll() is None
+        with socket.create_connection(("127.0.0.1", chain.port), timeout=5) as sock:
+            sock.sendall(b"g k\n")
+            assert sock.recv(100) == b"1 Got Lock\r\n"
+
+
+def test_a_server_that_was_not_handed_over_is_told_apart(spawn_server: SpawnServer) -> None:
+    # The final check asks the server how often it was handed over: a process that
+    # is not the end of the chain (or a fresh one) counts fewer.
+    _, port = spawn_server()
+    assert final_state_problems(port, handovers=0) == []
+    assert any("counts 0 hand-overs, not 5" in p for p in final_state_problems(port, handovers=5))
+
+
+@pytest.mark.parametrize(
+    ("answer", "seen"),
+    [(b"", "server closed the connection"), (b"500 Internal Error\r\n", "500 Internal Error")],
+)
+def test_a_client_reports_an_end_or_an_error_it_did_not_ask_for(
+    tmp_path: Path, answer: bytes, seen: str
+) -> None:
+    """A hand-over must go unnoticed: a server that answers the first request with
+    the end of the connection, or with an error, is a violation of the run."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def serve_once() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                request = b""
+                while not request.endswith(b"\n") and (chunk := conn.recv(100)):
+                    request += chunk
+                conn.sendall(answer)  # then closes: the client's request is all read
+
+        server = threading.Thread(target=serve_once)
+        server.start()
+        port = listener.getsockname()[1]
+        Client([port], "9.0", 1, time.monotonic() + 30, tmp_path / "9.0.jsonl").run()
+        server.join()
+    report = Report(0)
+    check(list(load_records(tmp_path)), {}, report)
+    assert any(
+        v.startswith("client 9.0: ReplyError") and seen in v for v in report.violations
+    ), report.violations
 
 
 def test_two_servers_that_share_nothing_are_caught(
