@@ -39,8 +39,7 @@ def start(args: list[str], lines: list[str]) -> tuple[subprocess.Popen[str], int
         lines.append(line)
         if "listening on" in line:
             port = int(line.split("listening on ", 1)[1].split(",")[0].rsplit(":", 1)[1])
-            stream = process.stderr
-            threading.Thread(target=lambda: lines.extend(stream), daemon=True).start()
+            threading.Thread(target=lines.extend, args=(process.stderr,), daemon=True).start()
             return process, port
     raise SystemExit(f"elockd did not start: {''.join(lines)}")
 

@@ -83,3 +83,16 @@ def test_the_cluster_does_not_import_the_protocol_layer() -> None:
     for name, imports in graph().items():
         if name.startswith("elockd.cluster"):
             assert not imports & protocol_layer, name
+
+
+def test_every_subpackage_is_in_the_wheel() -> None:
+    """pyproject.toml lists packages by hand: one left out installs without it."""
+    import tomllib
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(PACKAGE.parent).parts)
+        for init in PACKAGE.rglob("__init__.py")
+    }
+    assert found <= listed, f"missing from pyproject.toml: {sorted(found - listed)}"
