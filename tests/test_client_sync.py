@@ -258,12 +258,20 @@ def test_lost_hold_reports_on_release(port: int) -> None:
     """A hold freed behind the client's back (here: its session's `unlock_all`)
     raises LockLost when the block ends."""
     lost: list[Hold] = []
+    reported = threading.Event()
+
+    def on_lost(hold: Hold) -> None:
+        lost.append(hold)
+        reported.set()
+
     with BlockingClient(port=port) as client:
         with (
             pytest.raises(LockLost, match="no longer held"),
-            client.lock("sync-lost", on_lost=lost.append),
+            client.lock("sync-lost", on_lost=on_lost),
         ):
             client.command("unlock_all")
+        # on_lost runs in the client's I/O thread, maybe just after the block ended.
+        assert reported.wait(5)
         assert len(lost) == 1
 
 
