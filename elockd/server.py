@@ -23,7 +23,6 @@ import resource
 import signal
 import socket
 import ssl
-import stat
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -50,6 +49,7 @@ from elockd.startup import (
 )
 from elockd.tracing import trace_requests
 from elockd.transport import Closer, SocketTransport, StreamTransport
+from elockd.unix_socket import open_unix_socket
 
 log = logging.getLogger("elockd")
 
@@ -109,20 +109,6 @@ def open_tcp_sockets(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
-
-
-def open_unix_socket(path: str) -> socket.socket:
-    """A listening Unix socket at ``path``, replacing a stale socket file (only)."""
-    try:
-        if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    sock.listen(LISTEN_BACKLOG)
-    sock.setblocking(False)
-    return sock
 
 
 def keepalive_settings(seconds: float) -> tuple[int, int, int]:
@@ -445,7 +431,7 @@ def open_listeners(config: Config, tls: ssl.SSLContext | None) -> Listeners:
     try:
         if config.unix:
             with blame_file("--unix", config.unix):
-                listeners.lock.append((open_unix_socket(config.unix), "unix"))
+                listeners.lock.append((open_unix_socket(config.unix, LISTEN_BACKLOG), "unix"))
         if config.control_socket:
             with blame_file("--control-socket", config.control_socket):
                 listeners.control = open_control_socket(config.control_socket)
@@ -515,7 +501,8 @@ async def serve(
 
             work = Work(start_work)
             nursery.start_soon(work.run)
-            if config.metrics_port or listeners.http is not None:
+            # Taking over, the HTTP port is the predecessor's (or none, as it had).
+            if listeners.http is not None if taken is not None else config.metrics_port:
                 # In this nursery, so the scrape reads the tables in this trio run.
                 with blame_address(
                     "--metrics-host",

@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -249,6 +250,31 @@ async def test_a_handed_over_session_can_still_be_taken_over_by_conn_id(tmp_path
             stop_server(new)
 
 
+async def elockctl_upgrade(
+    control: Path, *flags: str, notify: Path | None = None
+) -> trio.CompletedProcess[bytes]:
+    """``elockctl upgrade CONTROL -- FLAGS``, its output captured. Its stderr goes to
+    a file, not a pipe: the new elockd inherits it and outlives elockctl."""
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify)} if notify else None
+    with tempfile.TemporaryFile() as errors:
+        done = await trio.run_process(
+            [sys.executable, "-m", "elockd.ctl", "upgrade", str(control), "--", *flags],
+            capture_stdout=True,
+            stderr=errors,
+            check=False,
+            env=env,
+        )
+        errors.seek(0)
+        done.stderr = errors.read()
+    return done
+
+
+def took_over_pid(upgrade: trio.CompletedProcess[bytes]) -> int:
+    found = re.search(rb"elockd pid (\d+) took over", upgrade.stdout)
+    assert found is not None, (upgrade.stdout, upgrade.stderr)
+    return int(found[1])
+
+
 async def test_elockctl_upgrade_starts_the_successor_and_tells_systemd(tmp_path: Path) -> None:
     control = tmp_path / "control.sock"
     with (
@@ -258,44 +284,26 @@ async def test_elockctl_upgrade_starts_the_successor_and_tells_systemd(tmp_path:
         systemd.bind(str(tmp_path / "notify"))
         holder = await connect(port)
         assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
-        upgrade = await trio.run_process(
-            [
-                sys.executable,
-                "-m",
-                "elockd.ctl",
-                "upgrade",
-                str(control),
-                "--",
-                "--metrics-port",
-                "0",
-                "--control-socket",
-                str(control),
-            ],
-            capture_stdout=True,
-            check=False,
-            env={**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify")},
-        )
+        # The default --metrics-port is not bound: the HTTP port is the old one's
+        # (none here), so a busy 9998 does not matter.
+        upgrade = await elockctl_upgrade(control, notify=tmp_path / "notify")
         assert upgrade.returncode == 0, upgrade.stderr
-        new_pid = int(re.search(rb"elockd pid (\d+) took over", upgrade.stdout)[1])  # type: ignore[index]
+        pids = [took_over_pid(upgrade)]
         try:
             assert await wait_exit(old, 10) == 0
             systemd.settimeout(5)
             told = systemd.recv(4096).split(b"\n")
-            assert f"MAINPID={new_pid}".encode() in told and b"READY=1" in told
+            assert f"MAINPID={pids[0]}".encode() in told and b"READY=1" in told
             assert await ask(holder, b"i k1") == b"1 Locked\r\n"
             # The successor listens on the control socket in turn.
-            again = await trio.run_process(
-                [sys.executable, "-m", "elockd.ctl", "upgrade", str(control)],
-                capture_stdout=True,
-                check=False,
-            )
-            assert again.returncode == 0
-            third_pid = int(re.search(rb"elockd pid (\d+) took over", again.stdout)[1])  # type: ignore[index]
+            again = await elockctl_upgrade(control, "--control-socket", str(control))
+            assert again.returncode == 0, again.stderr
+            pids.append(took_over_pid(again))
             assert await ask(holder, b"i k1") == b"1 Locked\r\n"
-            os.kill(third_pid, signal.SIGTERM)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(new_pid, signal.SIGKILL)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 async def test_elockctl_upgrade_reports_a_successor_that_cannot_start(tmp_path: Path) -> None:
@@ -303,20 +311,7 @@ async def test_elockctl_upgrade_reports_a_successor_that_cannot_start(tmp_path: 
     with old_server(control) as (old, port):
         holder = await connect(port)
         assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
-        upgrade = await trio.run_process(
-            [
-                sys.executable,
-                "-m",
-                "elockd.ctl",
-                "upgrade",
-                str(control),
-                "--",
-                "--max-connections",
-                "nonsense",
-            ],
-            capture_stderr=True,
-            check=False,
-        )
+        upgrade = await elockctl_upgrade(control, "--max-connections", "nonsense")
         assert upgrade.returncode == 3, upgrade.stderr
         assert b"the old one serves on" in upgrade.stderr
         assert await ask(holder, b"i k1") == b"1 Locked\r\n"

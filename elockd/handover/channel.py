@@ -11,6 +11,7 @@ own.
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import socket
 import struct
@@ -23,6 +24,8 @@ import trio
 MAX_FDS_PER_MESSAGE = 253
 #: A message larger than this is refused: a peer cannot make us buffer more.
 MAX_MESSAGE = 64 << 20
+#: Send and receive buffer of the control connection (the kernel may cap it).
+SOCKET_BUFFER = 4 << 20
 _LENGTH = struct.Struct(">I")
 _FD_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 
@@ -36,6 +39,11 @@ class Channel:
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
+        # Big buffers: the state streams in large messages, and each full buffer
+        # costs both processes a wake-up.
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
         self.sock = sock
         self._buffer = bytearray()
         self._fds: deque[int] = deque()

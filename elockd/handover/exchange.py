@@ -25,7 +25,6 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from elockd.pause import Parked
 from elockd.protocol import Service
 from elockd.startup import StartupError
 from elockd.transport import Closer, SocketTransport
+from elockd.unix_socket import open_unix_socket
 
 log = logging.getLogger("elockd")
 
@@ -64,25 +64,8 @@ class Listeners:
 
 def open_control_socket(path: str) -> socket.socket:
     """The control socket at ``path``, mode 0600: whoever can connect can take every
-    lock. A stale socket file is replaced; anything else at the path is an error."""
-    try:
-        if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_mask = os.umask(0o177)
-    try:
-        sock.bind(path)
-    except OSError:
-        sock.close()
-        raise
-    finally:
-        os.umask(old_mask)
-    os.chmod(path, 0o600)
-    sock.listen(4)
-    sock.setblocking(False)
-    return sock
+    lock."""
+    return open_unix_socket(path, backlog=4, mode=0o600)
 
 
 # --------------------------------------------------------------------- the giver
