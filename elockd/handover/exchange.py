@@ -124,28 +124,30 @@ class Giver:
         await self.stop_work()
         pause.request()
         committed = False
+        pause_ms = 0.0
         try:
             await self._wait_for_rest()
-            await self._send_state(channel, started)
+            # A successor that stops reading must not keep every client paused.
             with trio.fail_after(self.timeout):
+                await self._send_state(channel, started)
                 reply, _ = await channel.receive()
             if reply.get("t") != "ready":
                 raise HandOverFailed(f"the successor said {reply.get('why') or reply.get('t')}")
             committed = True  # from here on, the state is the successor's
             await _try_send(channel, {"t": "go"})
+            pause_ms = (time.monotonic() - started) * 1000  # the successor serves now
             with trio.move_on_after(DONE_TIMEOUT):
                 await channel.receive()  # "done", or EOF: either way we are finished
-        except (HandOverFailed, ChannelError, StateError, trio.TooSlowError) as error:
+        except Exception as error:  # whatever went wrong, the clients must not stay paused
             if committed:
                 log.warning("hand-over: the successor went quiet after go (%s)", error)
             else:
                 why = "no answer in time" if isinstance(error, trio.TooSlowError) else str(error)
-                log.warning("hand-over failed: %s; serving on", why)
+                log.warning("hand-over failed: %s; serving on", why or type(error).__name__)
                 await _try_send(channel, {"t": "aborted", "why": why})
                 pause.resume()
                 self.restart_work()
                 return False
-        pause_ms = (time.monotonic() - started) * 1000
         log.info("handed over to the successor after a %.0f ms pause; exiting", pause_ms)
         return True
 
