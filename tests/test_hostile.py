@@ -320,6 +320,7 @@ async def test_a_big_reply_read_slowly_but_steadily_is_not_cut() -> None:
         took = trio.current_time() - started
         await reader.aclose()
         await holder.aclose()
+    print(f"{received / 1e6:.1f} MB read whole in {took:.2f} s")
     assert received > 10_000_000
     assert took > 3, f"read in {took:.1f} s: the test needs a reply slower than the timeout"
 
@@ -449,6 +450,7 @@ async def test_guessing_auth_tokens_is_slow_and_logged() -> None:
             async with latency_probe(port, token=b"right-token") as probe:
                 await trio.sleep(2.5)
             nursery.cancel_scope.cancel()
+    print(f"{guessed} guesses in 2.5 s; probe worst {probe.worst * 1000:.1f} ms")
     assert guessed <= 3, f"{guessed} guesses in 2.5 s on one connection at a time"
     assert probe.count > 100 and probe.worst < PROBE_BOUND
     warnings = [line for line in log if "auth failed" in line and "peer=127.0.0.1:" in line]
