@@ -107,7 +107,7 @@ async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | 
             if conn.closing:
                 break
         if backlog.lines:
-            lines, backlog.lines = backlog.lines, []
+            lines = backlog.take()
         else:
             try:
                 if idle_timeout is None:
@@ -135,14 +135,15 @@ async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | 
                     replies.clear()
                     buffered = 0
                 # While it waits, the connection rests with this request pending.
-                backlog.lines = lines[index + 1 :]
+                backlog.keep(lines, index + 1)
                 if isinstance(reply, Outcome) and reply.waits:
                     backlog.pending = reply
                 delivered = await deliver(reply, transport)
                 if delivered is None:  # paused while the request waits for its grant
                     await pause.park(rest)
                     break
-                backlog.pending, backlog.lines = None, []
+                backlog.pending = None
+                backlog.keep([], 0)
                 if not delivered:
                     return  # the client left while its request waited
                 if conn.closing:
@@ -167,7 +168,7 @@ async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | 
                 if replies:
                     await transport.send(b"".join(replies))
                     replies.clear()
-                backlog.lines = lines[index + 1 :]
+                backlog.keep(lines, index + 1)
                 await pause.park(rest)
                 break
         if replies:

@@ -243,7 +243,7 @@ def dump_state(
                 "authenticated": conn is None or conn.authenticated,
                 "named": None if conn is None else named.get(conn),
                 "pending": pending,
-                "lines": [None if line is None else text(line) for line in backlog.lines],
+                "lines": [None if line is None else text(line) for line in backlog.remaining()],
                 "partial": text(bytes(reader._partial)),
                 "discarding": reader._discarding,
                 "read_ahead": text(getattr(parked.transport, "read_ahead", b"")),
