@@ -28,20 +28,11 @@ CROWD = ROOT / "tests" / "crowd.py"
 
 
 def start(args: list[str], lines: list[str]) -> tuple[subprocess.Popen[str], int]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "elockd", "--port", "0", "--metrics-port", "0", *args],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert process.stderr is not None
-    for line in process.stderr:
-        lines.append(line)
-        if "listening on" in line:
-            port = int(line.split("listening on ", 1)[1].split(",")[0].rsplit(":", 1)[1])
-            threading.Thread(target=lines.extend, args=(process.stderr,), daemon=True).start()
-            return process, port
-    raise SystemExit(f"elockd did not start: {''.join(lines)}")
+    """elockd on a free port (the tests' own starter: it drains the log into ``lines``)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.server_process import start_server
+
+    return start_server(*args, log=lines)
 
 
 class Probe(threading.Thread):

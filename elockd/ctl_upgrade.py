@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from elockd.ctl_status import EXIT_ERROR, say
+from elockd.notify import send_notification
 
 
 def elockd_command() -> list[str]:
@@ -93,10 +94,5 @@ def _wait_ready(
 
 
 def _forward(address: str, message: bytes) -> None:
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as upstream:
-            upstream.sendto(message, address)
-    except OSError as error:
-        say(f"upgrade: could not tell systemd ($NOTIFY_SOCKET): {error.strerror}")
+    if not send_notification(address, message):
+        say(f"upgrade: could not tell systemd ($NOTIFY_SOCKET {address})")

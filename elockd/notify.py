@@ -18,11 +18,17 @@ def sd_notify(*assignments: str) -> bool:
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
         return False
-    if address.startswith("@"):  # an abstract socket
+    return send_notification(address, "\n".join(assignments).encode())
+
+
+def send_notification(address: str, message: bytes) -> bool:
+    """One datagram to a notify socket (``@name``: an abstract socket); False when it
+    could not be sent."""
+    if address.startswith("@"):
         address = "\0" + address[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto("\n".join(assignments).encode(), address)
+            sock.sendto(message, address)
     except OSError:
         return False
     return True
