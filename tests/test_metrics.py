@@ -207,6 +207,7 @@ async def test_values_move_as_clients_lock_and_release(
     assert value(during, "elockd_commands_total", verb="sg") == 2
     assert value(during, "elockd_commands_total", verb="lock") == 1
     assert value(during, "elockd_invalid_commands_total") == 1
+    assert value(during, "elockd_handovers_total") == 0  # docs/upgrade.md
 
     await a.aclose()  # a vanishes holding both: orphans, and b is granted
     assert await b.line() == b"200 Acquired\r\n"

@@ -143,9 +143,10 @@ async def test_q_lists_every_counter_sorted(lock_server: RunningServer, clock: o
     always = (
         "command_d command_dump command_g command_i command_q command_r command_sd "
         "command_sg command_si command_sr connections invalid_commands locks orphans "
-        "shared_locks shared_orphans expired leases sessions timeouts waiting"
+        "shared_locks shared_orphans expired handovers leases sessions timeouts waiting"
     ).split()
     assert set(always) <= set(values)
+    assert values["handovers"] == 0  # counted by a successor (docs/upgrade.md)
     assert values["command_g"] == 1
     assert values["command_sg"] == 2
     assert values["command_q"] == reads  # a q counts itself
