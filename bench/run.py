@@ -737,8 +737,17 @@ def print_etcd_row(name: str, clients: int, result: LoopResult) -> None:
         print(f"    error: {error}", flush=True)
 
 
-def etcd_rows(seconds: float, clients: int, ttl: int) -> None:
-    """The etcd backend rows; see the module docstring and docs/performance.md."""
+def etcd_rows(
+    seconds: float,
+    counts: list[int],
+    ttl: int,
+    burst: int,
+    burst_wait: float,
+    idle_seconds: float,
+) -> None:
+    """The etcd backend rows; see the module docstring and docs/performance.md. The
+    load rows run once per client count in ``counts``; the scale rows
+    (bench/etcd_scale.py) come last, so their burst disturbs none of the others."""
     sys.path.insert(0, str(ROOT))
     from tests.etcd_cluster import EtcdCluster
 
@@ -751,7 +760,7 @@ def etcd_rows(seconds: float, clients: int, ttl: int) -> None:
         "machine, ours included. CPU ms per cycle: the nodes together / all 3 etcd members."
     )
     prefix = f"/bench-{uuid.uuid4().hex[:10]}/"
-    results: dict[str, LoopResult] = {}
+    results: dict[tuple[str, int], LoopResult] = {}
     with contextlib.ExitStack() as stack:
         base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="elockd-bench-etcd-")))
         cluster = EtcdCluster(base)
@@ -795,7 +804,6 @@ def etcd_rows(seconds: float, clients: int, ttl: int) -> None:
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
 
-        own = [b"own:%d" % i for i in range(clients)]
         hot = Holders()
         rows: list[tuple[str, list[Callable[[], Client]], dict[str, Any], Holders | None]] = [
             (
@@ -805,37 +813,41 @@ def etcd_rows(seconds: float, clients: int, ttl: int) -> None:
                 None,
             ),
             ("latency, 1 node, `g K`/`r K`", [on(ports[0], b"lat:t", TERSE_CYCLE)], one, None),
-            ("own keys, 1 node", [on(ports[0], k, WORD_CYCLE) for k in own], one, None),
-            (
-                "own keys, 2 nodes",
-                [on(ports[i % 2], k, WORD_CYCLE) for i, k in enumerate(own)],
-                both,
-                None,
-            ),
+        ]
+        for clients in counts:
+            own = [b"own:%d" % i for i in range(clients)]
+            rows.append(("own keys, 1 node", [on(ports[0], k, WORD_CYCLE) for k in own], one, None))
+            if clients > 1:
+                two = [on(ports[i % 2], k, WORD_CYCLE) for i, k in enumerate(own)]
+                rows.append(("own keys, 2 nodes", two, both, None))
+        rows.append(
             (
                 "one key, `lock K 10`, 2 nodes (handoffs)",
-                [on(ports[i % 2], b"hot", WAIT_CYCLE, hot) for i in range(clients)],
+                [on(ports[i % 2], b"hot", WAIT_CYCLE, hot) for i in range(counts[0])],
                 both,
                 hot,
-            ),
-        ]
+            )
+        )
         for name, connects, counters, holders in rows:
             groups = 2 if counters is both else 1
-            results[name] = run_loops(connects, seconds, counters, groups, holders)
-            print_etcd_row(name, len(connects), results[name])
+            result = run_loops(connects, seconds, counters, groups, holders)
+            results[name, len(connects)] = result
+            print_etcd_row(name, len(connects), result)
         # etcd alone: the same two txns per cycle from threads straight to one member,
         # outside the nodes' prefix (their watches do not see these keys).
         raw_prefix = f"/bench-raw-{uuid.uuid4().hex[:10]}/".encode()
         raw: list[Callable[[], Client]] = [
             functools.partial(raw_etcd_client, cluster.endpoints[0], raw_prefix, i)
-            for i in range(clients)
+            for i in range(max(counts))
         ]
-        for name, connects in (
-            ("etcd alone, 1 client (no elockd)", raw[:1]),
-            ("etcd alone (no elockd)", raw),
-        ):
-            results[name] = run_loops(connects, seconds, common)
-            print_etcd_row(name, len(connects), results[name])
+        for clients in sorted({1, *counts}):
+            name = "etcd alone, 1 client (no elockd)" if clients == 1 else "etcd alone (no elockd)"
+            result = run_loops(raw[:clients], seconds, common)
+            results[name, clients] = result
+            print_etcd_row(name, clients, result)
+        from bench.etcd_scale import print_beside_etcd, scale_rows
+
+        print_beside_etcd(results)
         if any(result.error_count for result in results.values()):
             for index in range(len(nodes)):
                 log = (base / f"node{index + 1}.log").read_text(errors="replace").splitlines()
@@ -853,17 +865,19 @@ def etcd_rows(seconds: float, clients: int, ttl: int) -> None:
             ("latency, in memory, `lock K`/`unlock K`", b"lat:w", WORD_CYCLE),
             ("latency, in memory, `g K`/`r K`", b"lat:t", TERSE_CYCLE),
         ):
-            results[name] = run_loops([on(port, key, cycle)], seconds, memory)
-            print_etcd_row(name, 1, results[name])
+            results[name, 1] = run_loops([on(port, key, cycle)], seconds, memory)
+            print_etcd_row(name, 1, results[name, 1])
     ratios = []
     for family in ("`lock K`/`unlock K`", "`g K`/`r K`"):
-        etcd_p50 = results[f"latency, 1 node, {family}"].ms(0.5)
-        memory_p50 = results[f"latency, in memory, {family}"].ms(0.5)
+        etcd_p50 = results[f"latency, 1 node, {family}", 1].ms(0.5)
+        memory_p50 = results[f"latency, in memory, {family}", 1].ms(0.5)
         ratios.append(
             f"{family} {etcd_p50:.2f} / {memory_p50:.3f} ms = {etcd_p50 / memory_p50:,.0f}x"
         )
     print()
     print("One client's cycle p50, etcd / in memory: " + ", ".join(ratios), flush=True)
+    if burst:
+        scale_rows(ttl, burst, burst_wait, idle_seconds)
 
 
 # ----------------------------------------------------------------- report
@@ -920,8 +934,31 @@ def main() -> None:
     parser.add_argument(
         "--etcd-clients",
         type=at_least(1),
-        default=16,
-        help="concurrent clients in the etcd load rows (half on each node in the 2-node rows)",
+        nargs="+",
+        default=[16, 64],
+        help="concurrent clients in the etcd load rows, one row per count (half on each "
+        "node in the 2-node rows); the hand-off row uses the first",
+    )
+    parser.add_argument(
+        "--etcd-burst",
+        type=at_least(0),
+        default=10_000,
+        metavar="N",
+        help="connections in the etcd burst row, each taking one lock (0: no burst/idle rows)",
+    )
+    parser.add_argument(
+        "--etcd-burst-wait",
+        type=at_least(1),
+        default=60,
+        metavar="SECONDS",
+        help="how long the burst row waits for its replies before counting the rest as none",
+    )
+    parser.add_argument(
+        "--etcd-idle-seconds",
+        type=at_least(1),
+        default=10,
+        metavar="SECONDS",
+        help="length of the etcd idle row's window while the burst's sessions hold",
     )
     parser.add_argument(
         "--etcd-session-ttl",
@@ -941,7 +978,14 @@ def main() -> None:
     if run & {"throughput", "hold", "features", "scrape", "websocket"}:
         pinned_rows(options, run)
     if "etcd" in run:
-        etcd_rows(options.seconds, options.etcd_clients, options.etcd_session_ttl)
+        etcd_rows(
+            options.seconds,
+            options.etcd_clients,
+            options.etcd_session_ttl,
+            options.etcd_burst,
+            options.etcd_burst_wait,
+            options.etcd_idle_seconds,
+        )
 
 
 def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
