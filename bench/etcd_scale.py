@@ -1,7 +1,7 @@
 """The scale rows of ``make bench``'s etcd group: a node at the in-memory server's scale.
 
 A cluster node should take what one in-memory server takes (docs/cluster.md,
-"Scale"), so these rows measure exactly that, on the run's real 3-member etcd:
+"Scale"), so these rows measure exactly that, on a real 3-member etcd:
 
 * **burst**: N connections (``--etcd-burst``, default 10,000) opened to one node as
   fast as this process can, each sending ``g burst:<i>`` on a key of its own. Every
@@ -15,10 +15,14 @@ A cluster node should take what one in-memory server takes (docs/cluster.md,
   counters and a sample of the granted keys (``i K`` from another connection) show
   whether the sessions are still alive.
 
-The node is one of its own, on a fresh key prefix, started with default flags but
-``--max-connections`` (at least N + 100, so the burst itself is not refused), so
-the load rows' nodes see none of it. The burst is driven from one epoll loop in
-this process rather than threads: 10,000 threads would measure this script.
+Both run after the load rows on an etcd cluster and a node of their own, so the
+burst disturbs no other row and the idle row sees no other node's traffic. The
+node has default flags but ``--max-connections`` (raised to N + 100 when N + 100
+is over the default, so the burst itself is not refused) and ``--session-ttl``
+(``--etcd-session-ttl``, as the load rows' nodes). The burst is driven from one
+epoll loop in this process rather than threads: 10,000 threads would measure this
+script, not the node. Also beside etcd: :func:`print_beside_etcd`, the load rows'
+cycles/s next to etcd alone's at the same client count.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import contextlib
 import errno
 import json
 import re
+import resource
 import selectors
 import socket
 import tempfile
@@ -101,6 +106,12 @@ class Burst:
         """Connect all, sending each ``g`` as soon as its connection is up; stop
         waiting for replies ``wait`` seconds after the first connect."""
         raise_file_limit(self.count + 1000)
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if files < self.count + 200:  # the node inherits the same hard limit
+            raise SystemExit(
+                f"--etcd-burst {self.count}: needs {self.count + 200} open files, this "
+                f"process may have {files} (ulimit -Hn)"
+            )
         self.started = time.monotonic()
         for index in range(self.count):
             self._connect(index)

@@ -16,16 +16,20 @@ script with plain sockets, because they measure the server's memory and its
 disconnect work, not request rate.
 
 The etcd rows (``--only etcd`` runs just them, ``--skip etcd`` leaves them out;
-``--etcd-clients``, ``--etcd-session-ttl``) start a real 3-member etcd cluster
+``--etcd-clients`` one or more client counts, ``--etcd-session-ttl``; the burst
+and idle rows of bench/etcd_scale.py with ``--etcd-burst N``, 0 for none,
+``--etcd-burst-wait``, ``--etcd-idle-seconds``) start a real 3-member etcd cluster
 (Debian's ``etcd-server``, through ``tests/etcd_cluster.py``) and two elockd nodes
 in cluster mode on one fresh key prefix, and drive them from threads of this
 script over plain sockets, one request per round trip: the operations take
 milliseconds, so the C generator is not needed, and the script's own CPU is
-printed to show it is not the limit. Two reference rows run the same two etcd
-txns per cycle straight against etcd's JSON gateway (no elockd), and two the same
-loop against an in-memory elockd. Nothing is pinned: three etcd members, the nodes
-and the clients share every core, so each row also prints how long a node waited
-for a core (``/proc/PID/task/*/schedstat``) and the whole machine's CPU.
+printed to show it is not the limit. Reference rows run the same two etcd txns
+per cycle straight against etcd's JSON gateway (no elockd), at 1 client and at
+each count, and are printed again beside the nodes' rows: etcd's own write rate in
+the same run. Two more run the one-client loop against an in-memory elockd.
+Nothing is pinned: three etcd members, the nodes and the clients share every core,
+so each row also prints how long a node waited for a core
+(``/proc/PID/task/*/schedstat``) and the whole machine's CPU.
 """
 
 from __future__ import annotations
