@@ -304,6 +304,7 @@ def print_log_events(path: Path, most: int = 6) -> None:
     """The node's log in a few lines: the most frequent events, each with its count
     and the first line that had it."""
     events = log_events(path)
+    print()
     print(f"The burst node's log: {sum(n for n, _ in events.values()):,} lines.")
     for event, (lines, first) in sorted(events.items(), key=lambda item: -item[1][0])[:most]:
         print(f"    {lines:,} x {event}\n        first: {first[:300]}")
@@ -419,7 +420,8 @@ def print_burst_row(burst: Burst, during: Window, wait: float) -> None:
         )
     print()
     print(
-        f"Burst: {burst.count:,} connections to one node (a node of its own, fresh prefix), "
+        f"Burst: {burst.count:,} connections to one node (a node and an etcd cluster of their "
+        "own, after every other row), "
         f"each sending `g burst:<i>` on its own key as soon as it is up; replies waited for "
         f"up to {wait:g} s. Times from the first connect; a reply's time from its `g`. CPU "
         "over the burst, in seconds: node / etcd's 3 members / this script."

@@ -849,9 +849,6 @@ def etcd_rows(
             result = run_loops(raw[:clients], seconds, common)
             results[name, clients] = result
             print_etcd_row(name, clients, result)
-        from bench.etcd_scale import print_beside_etcd, scale_rows
-
-        print_beside_etcd(results)
         if any(result.error_count for result in results.values()):
             for index in range(len(nodes)):
                 log = (base / f"node{index + 1}.log").read_text(errors="replace").splitlines()
@@ -880,6 +877,9 @@ def etcd_rows(
         )
     print()
     print("One client's cycle p50, etcd / in memory: " + ", ".join(ratios), flush=True)
+    from bench.etcd_scale import print_beside_etcd, scale_rows
+
+    print_beside_etcd(results)
     if burst:
         scale_rows(ttl, burst, burst_wait, idle_seconds)
 
@@ -940,6 +940,7 @@ def main() -> None:
         type=at_least(1),
         nargs="+",
         default=[16, 64],
+        metavar="C",
         help="concurrent clients in the etcd load rows, one row per count (half on each "
         "node in the 2-node rows); the hand-off row uses the first",
     )
