@@ -407,6 +407,7 @@ def scale_rows(ttl: int, count: int, wait: float, idle: float) -> None:
 
 def print_burst_row(burst: Burst, during: Window, wait: float) -> None:
     replies = collections.Counter(caller.reply for caller in burst.callers)
+    up = f"{burst.last_sent - burst.started:.2f}" if burst.last_sent else "-"  # none got up
     latencies = [c.answered_at - c.sent_at for c in burst.callers if c.answered_at]
     ms = "-"
     if latencies:
@@ -434,7 +435,7 @@ def print_burst_row(burst: Burst, during: Window, wait: float) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| burst, 1 node | {burst.count:,} | {burst.last_sent - burst.started:.2f} | "
+        f"| burst, 1 node | {burst.count:,} | {up} | "
         f"{burst.last_settled - burst.started:.2f} | {replies[KINDS[0]]:,} | "
         f"{replies[KINDS[1]]:,} | {ms} | {during.grown('node'):.1f} / "
         f"{during.grown('etcd'):.1f} / {during.grown('script'):.1f} | "
