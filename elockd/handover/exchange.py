@@ -28,17 +28,22 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
-from elockd.handover.state import FORMAT, VERSION, ConnectionState, Restorer, StateError, dump_state
+from elockd.handover.records import FORMAT, VERSION, ConnectionState, StateError
+from elockd.handover.state import Restorer, dump_state
+from elockd.memory import MemoryBackend
 from elockd.pause import Parked
 from elockd.protocol import Service
 from elockd.startup import StartupError
 from elockd.transport import Closer, SocketTransport
 from elockd.unix_socket import open_unix_socket
+
+if TYPE_CHECKING:
+    from elockd.handover.cluster_state import ClusterRestorer
 
 log = logging.getLogger("elockd")
 
@@ -121,7 +126,9 @@ class Giver:
             await _try_send(channel, {"t": "refused", "why": f"state version {VERSION}"})
             return False
         started = time.monotonic()
+        backend = self.service.backend
         await self.stop_work()
+        backend.freeze()
         pause.request()
         committed = False
         pause_ms = 0.0
@@ -129,11 +136,13 @@ class Giver:
             await self._wait_for_rest()
             # A successor that stops reading must not keep every client paused.
             with trio.fail_after(self.timeout):
+                await backend.settle()
                 await self._send_state(channel, started)
                 reply, _ = await channel.receive()
             if reply.get("t") != "ready":
                 raise HandOverFailed(f"the successor said {reply.get('why') or reply.get('t')}")
             committed = True  # from here on, the state is the successor's
+            backend.hand_off()
             await _try_send(channel, {"t": "go"})
             pause_ms = (time.monotonic() - started) * 1000  # the successor serves now
             with trio.move_on_after(DONE_TIMEOUT):
@@ -145,6 +154,7 @@ class Giver:
                 why = "no answer in time" if isinstance(error, trio.TooSlowError) else str(error)
                 log.warning("hand-over failed: %s; serving on", why or type(error).__name__)
                 await _try_send(channel, {"t": "aborted", "why": why})
+                backend.thaw()
                 pause.resume()
                 self.restart_work()
                 return False
@@ -183,6 +193,7 @@ class Giver:
                 "paused_at": started,
                 "dumped_at": time.monotonic(),
                 "listeners": kinds,
+                "backend": backend_kind(self.service),
             },
             fds[:MAX_FDS_PER_MESSAGE],
         )
@@ -196,7 +207,12 @@ class Giver:
                 connections.append(ConnectionState(parked, None))
         now = trio.current_time()
         sent = 0
-        for record in dump_state(self.service, connections, now):
+        dump = dump_state
+        if backend_kind(self.service) == "etcd":
+            from elockd.handover.cluster_state import dump_cluster  # only a node loads etcd
+
+            dump = dump_cluster
+        for record in dump(self.service, connections, now):
             fds = []
             if record["t"] == "connections":
                 # Their rows come in the list's order; each movable one brings its socket.
@@ -207,6 +223,11 @@ class Giver:
                         fds.append(transport.sock.fileno())
                 sent += len(record["rows"])
             await channel.send(record, fds)
+
+
+def backend_kind(service: Service) -> str:
+    """Which tables a state carries: a successor must run the same backend."""
+    return "memory" if isinstance(service.backend, MemoryBackend) else "etcd"
 
 
 async def _try_send(channel: Channel, message: dict[str, Any]) -> None:
@@ -289,8 +310,19 @@ async def _receive_everything(
                 f"(this elockd reads version {VERSION}); the old process serves on"
             )
         listeners = _listeners(header["listeners"], fds, service)
+        theirs, ours = header.get("backend", "memory"), backend_kind(service)
+        if theirs != ours:
+            flag = "without --etcd" if ours == "etcd" else "with --etcd"
+            raise StateError(f"the old process runs {flag} ({theirs} backend), this one not")
         elapsed = time.monotonic() - float(header["dumped_at"])
-        restorer = Restorer(service, trio.current_time() - elapsed)
+        now = trio.current_time() - elapsed
+        restorer: Restorer | ClusterRestorer
+        if ours == "etcd":
+            from elockd.handover.cluster_state import ClusterRestorer  # only a node loads etcd
+
+            restorer = ClusterRestorer(service, now)
+        else:
+            restorer = Restorer(service, now)
         transports: dict[int, SocketTransport] = {}
         send_timeout = service.config.send_timeout
         while not restorer.ended:
@@ -318,15 +350,19 @@ async def _receive_everything(
         decision = {"t": "go"}  # the old process is gone after ready: it never serves again
     if decision.get("t") != "go":
         raise StartupError(f"--take-over {path}: the old process aborted: {decision.get('why')}")
-    engine = service.backend
+    if not isinstance(restorer, Restorer):
+        sessions, holds = len(restorer.sessions), restorer.holds
+    else:
+        engine = service.backend
+        sessions, holds = len(engine.sessions), len(engine.exclusive) + engine.shared_holders
     return TakenOver(
         listeners,
         connections,
         channel,
         int(header["pid"]),
         float(header["paused_at"]),
-        sessions=len(engine.sessions),
-        holds=len(engine.exclusive) + engine.shared_holders,
+        sessions=sessions,
+        holds=holds,
     )
 
 
