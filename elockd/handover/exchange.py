@@ -133,11 +133,11 @@ class Giver:
         committed = False
         pause_ms = 0.0
         try:
-            await self._wait_for_rest()
+            resting = await self._wait_for_rest()
             # A successor that stops reading must not keep every client paused.
             with trio.fail_after(self.timeout):
                 await backend.settle()
-                await self._send_state(channel, started)
+                await self._send_state(channel, started, resting)
                 reply, _ = await channel.receive()
             if reply.get("t") != "ready":
                 raise HandOverFailed(f"the successor said {reply.get('why') or reply.get('t')}")
@@ -161,20 +161,24 @@ class Giver:
         log.info("handed over to the successor after a %.0f ms pause; exiting", pause_ms)
         return True
 
-    async def _wait_for_rest(self) -> None:
-        """Until every connection with a session has parked (or ended)."""
+    async def _wait_for_rest(self) -> list[Parked]:
+        """Until every connection with a session has parked (or ended): then every
+        connection at rest, taken at that instant. A connection at rest can do
+        nothing observable until the decision, so this list stays the state to
+        hand over, also while one of them moves from its wait to parked (and is,
+        for a moment, in neither list of the pause)."""
         service, pause = self.service, self.service.pause
-        with trio.move_on_after(self.timeout) as late:
+        with trio.move_on_after(self.timeout):
             while True:
-                resting = {id(p.conn) for p in pause.resting() if p.conn is not None}
-                if all(id(conn) in resting for conn in service.connections):
-                    break
+                resting = pause.resting()
+                conns = {id(p.conn) for p in resting if p.conn is not None}
+                if all(id(conn) in conns for conn in service.connections):
+                    return resting
                 await pause.wait_for_change(0.01)
-        if late.cancelled_caught:
-            busy = len(service.connections) - len(pause.resting())
-            raise HandOverFailed(f"{busy} connections did not reach a request boundary")
+        busy = len(service.connections) - len(pause.resting())
+        raise HandOverFailed(f"{busy} connections did not reach a request boundary")
 
-    async def _send_state(self, channel: Channel, started: float) -> None:
+    async def _send_state(self, channel: Channel, started: float, resting: list[Parked]) -> None:
         listeners = self.listeners
         kinds = [kind for _, kind in listeners.lock]
         fds = [sock.fileno() for sock, _ in listeners.lock]
@@ -199,7 +203,7 @@ class Giver:
         )
         connections: list[ConnectionState] = []
         movable = 0
-        for parked in self.service.pause.resting():
+        for parked in resting:
             if isinstance(parked.transport, SocketTransport):
                 connections.append(ConnectionState(parked, movable))
                 movable += 1
