@@ -194,6 +194,20 @@ class Backend(Protocol):
         """Run what is due by ``now`` (at most ``budget`` deadlines); True when more
         is due, so the timer lets other tasks run before it goes on."""
 
+    # A hand-over (docs/upgrade.md): the connections are parked and the timer is
+    # stopped; what else the backend runs on its own must stand still too.
+    def freeze(self) -> None:
+        """Stop changing the tables on the backend's own initiative."""
+
+    async def settle(self) -> None:
+        """Return once work already under way that changes the tables has ended."""
+
+    def thaw(self) -> None:
+        """The hand-over failed: go on as before."""
+
+    def hand_off(self) -> None:
+        """The successor has the tables: change nothing outside this process again."""
+
 
 def carries(deadline: float, target: Hold | Session | Waiter) -> bool:
     """Whether a deadline-heap entry is current: its target still ends at

@@ -110,6 +110,20 @@ class MemoryBackend(LockEngine):
 
     # ---------------------------------------------------------------- waiting
 
+    # A hand-over: once the connections are parked and the timer stopped, nothing
+    # else changes these tables, and nothing of them lives outside this process.
+    def freeze(self) -> None:
+        pass
+
+    async def settle(self) -> None:
+        pass
+
+    def thaw(self) -> None:
+        pass
+
+    def hand_off(self) -> None:
+        pass
+
     def later_for(self, waiter: Waiter) -> Wait:
         """The reply-later of a request waiting as ``waiter`` (also for a waiter
         taken over from a predecessor, docs/upgrade.md)."""

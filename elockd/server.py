@@ -454,12 +454,6 @@ async def serve(
     With ``--take-over PATH`` the listeners, connections and tables come from the
     process at PATH instead (docs/upgrade.md); with ``--control-socket`` this
     process can hand them on the same way, after which it returns."""
-    for flag, value in (
-        ("--take-over", config.take_over),
-        ("--control-socket", config.control_socket),
-    ):
-        if value and config.etcd:
-            raise StartupError(f"{flag} {value}: not with --etcd yet (docs/upgrade.md)")
     service = service or make_service(config)
     tls = tls_context(config)
     closer = Closer()

@@ -64,6 +64,7 @@ def main() -> int:
         sock.close()
         return 0
     if how == "never-ready":
+        print("state received", flush=True)  # the old process is paused until it gives up
         reply = receive(sock, buffer)  # the old process gives up: "aborted", then EOF
         print(reply)
         return 0 if reply is not None and reply.get("t") == "aborted" else 1

@@ -33,7 +33,7 @@ from elockd.backend import QueueFull, TooManyHolds
 from elockd.commands import COMMANDS
 from elockd.config import Config
 from elockd.framing import LineReader
-from elockd.handover import state
+from elockd.handover import records, state
 from elockd.handover.state import ConnectionState, Record, Restorer, StateError, dump_state
 from elockd.locks import FREE_SLICE
 from elockd.memory import MemoryBackend, Wait
@@ -623,7 +623,7 @@ def test_a_state_of_many_rows_moves_in_batches() -> None:
         whole(conn.handle(b"g k%d" % n, 0.0))
         whole(conn.handle(b"sg s", 0.0))
     waiting = {c: waits(c, b"lock k0 30", 0.0) for c in conns[1:]}
-    with patch.object(state, "BATCH", 3), patch.object(state, "HOLDS_BATCH", 3):
+    with patch.object(records, "BATCH", 3), patch.object(state, "HOLDS_BATCH", 3):
         both = hand_over(old, 1.0, conns, pending=waiting)
     kinds = [r["t"] for r in both.records]
     assert kinds.count("sessions") == kinds.count("exclusive") == 3  # 7 rows: 3 + 3 + 1
@@ -1035,7 +1035,7 @@ class LockstepModel(RuleBasedStateMachine):
             self.a.conns.pop(gone).close(self.now + self.a.offset)
             self.a.pending.pop(gone, None)
         new = Side(model_service(), offset)
-        with patch.object(state, "BATCH", 2):  # several records of each kind
+        with patch.object(records, "BATCH", 2):  # several records of each kind
             _, served = restore(
                 old.service, self.now + old.offset, states, new.service, self.now + offset
             )

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from typing import TypeVar
 
 import trio
@@ -30,6 +31,9 @@ startup_wait_log = LogThrottle(log, logging.WARNING, 10.0)
 
 T = TypeVar("T")
 
+#: The :meth:`EtcdCalls.busy` scope of the waiting request this task runs, if any.
+_working_scope: ContextVar[trio.CancelScope | None] = ContextVar("working_scope", default=None)
+
 
 class EtcdCalls:
     """The node's etcd client, the "backend unavailable" count, and the nursery
@@ -42,6 +46,86 @@ class EtcdCalls:
         #: Called when etcd answers "lease not found" for a session's call: its
         #: lease expired before this node noticed (see :mod:`.ownership`).
         self.on_lease_gone: Callable[[ClusterSession, str], None] | None = None
+        #: While a hand-over copies this node's books (docs/upgrade.md), nothing may
+        #: change them: waits hold their outcome, the sweep and the session checks
+        #: skip their round. ``handed_over`` once the successor has them: this
+        #: process then changes nothing in etcd again.
+        self.frozen = False
+        self.handed_over = False
+        self._thawed = trio.Event()
+        self._busy = 0  # background jobs, and waiting requests between their waits
+        self._idle = trio.Event()
+        self._working: set[trio.CancelScope] = set()  # waiting requests' etcd work
+
+    def freeze(self) -> None:
+        """A hand-over starts copying the books (see ``frozen``). Waiting requests in
+        the middle of their etcd work are shielded until they reach their wait or
+        their answer: the pause may interrupt their connection, but a txn cut short
+        would leave entries nobody can account for."""
+        self.frozen = True
+        self._thawed = trio.Event()
+        for scope in self._working:
+            scope.shield = True
+
+    def thaw(self) -> None:
+        """The hand-over failed: this node goes on as if nothing had happened."""
+        self.frozen = False
+        self._thawed.set()
+
+    def hand_off(self) -> None:
+        """The successor has the books: stay frozen until this process exits."""
+        self.handed_over = True
+
+    async def thawed(self) -> None:
+        """Return once the freeze ends (never, once handed over: the process exits)."""
+        await self._thawed.wait()
+
+    async def settled(self) -> None:
+        """Return once no background job (a free, a record write, a revoke) and no
+        waiting request's etcd work is under way: each changes what a hand-over must
+        copy (a record revision, a hold, a wait). A waiting request rests while it
+        waits for its grant, and a hand-over counts its connection as at rest from
+        the start, so only this tells that it got there."""
+        while self._busy:
+            self._idle = trio.Event()
+            await self._idle.wait()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """A waiting request's etcd work, which :meth:`settled` waits for and
+        :meth:`freeze` shields."""
+        with trio.CancelScope(shield=self.frozen) as scope:
+            token = _working_scope.set(scope)
+            self._working.add(scope)
+            self._busy += 1
+            try:
+                yield
+            finally:
+                self._busy -= 1
+                self._working.discard(scope)
+                _working_scope.reset(token)
+                if not self._busy:
+                    self._idle.set()
+
+    @contextlib.contextmanager
+    def resting(self) -> Iterator[None]:
+        """Within :meth:`busy`: the wait for a grant, which is not etcd work and may
+        be interrupted (a hand-over then keeps the wait, see :mod:`.recipe`)."""
+        scope = _working_scope.get()
+        if scope is None:
+            yield
+            return
+        self._busy -= 1
+        self._working.discard(scope)
+        scope.shield = False
+        if not self._busy:
+            self._idle.set()
+        try:
+            yield
+        finally:
+            self._busy += 1
+            self._working.add(scope)
+            scope.shield = self.frozen
 
     def unavailable(self, what: str) -> None:
         self.backend_unavailable += 1
@@ -81,17 +165,22 @@ class EtcdCalls:
         nursery is gone, or closed already while connections still end (the node's
         task has not resumed yet to say so)."""
         nursery = self.nursery
-        if nursery is None:
-            return
+        if nursery is None or self.handed_over:
+            return  # stopping, or the successor's to do
 
         async def run() -> None:
             try:
                 await job()
             except (EtcdUnavailable, EtcdError, BackendUnavailable) as error:
                 self.unavailable(f"{what}: {error}")
+            finally:
+                self._busy -= 1
+                if not self._busy:
+                    self._idle.set()
 
         with contextlib.suppress(RuntimeError):  # "Nursery is closed to new arrivals"
             nursery.start_soon(run)
+            self._busy += 1
 
     async def revoke_quietly(self, lease: int) -> None:
         """Revoke a lease on the way out; if etcd does not answer, its TTL ends it."""

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import trio
 
-from elockd.backend import Bookkeeping
+from elockd.backend import Bookkeeping, Grant
 from elockd.cluster.layout import SHARED
 from elockd.sessions import Hold, Session
 
@@ -62,6 +63,42 @@ class ClusterSession(Session):
         self.lost = False
 
 
+@dataclass(eq=False)
+class ClusterWait:
+    """A request of ``session`` whose entries (``revision``) wait in etcd's queues for
+    ``keys``. Its task runs the wait, and the books keep this copy of it, so that a
+    hand-over can move it (docs/upgrade.md). ``suspended``: its task ended while a
+    hand-over copied the books, and the next task that serves its connection (here
+    after a failed hand-over, or on the successor) waits on for it."""
+
+    session: ClusterSession
+    kind: bytes
+    keys: list[bytes]
+    entries: list[bytes]
+    revision: int
+    limit: int
+    ttl: float | None
+    deadline: float  # by this node's clock
+    since: float
+    suspended: bool = False
+
+
+@dataclass(eq=False)
+class ClusterAnswer:
+    """How a waiting request ended: its grant, or the refusal it raised. Kept with
+    the request, because a hand-over may pause its connection before the reply goes
+    out: the reply is then whoever serves the connection next's to send."""
+
+    grant: Grant | None = None
+    refusal: Exception | None = None
+
+    def give(self) -> Grant:
+        if self.refusal is not None:
+            raise self.refusal
+        assert self.grant is not None
+        return self.grant
+
+
 #: Fencing tokens: the entry's create revision times this, plus the key's rank among
 #: its request's keys (an ``mlock`` enters up to --max-keys, at most 64 on a cluster,
 #: in one revision), plus the floor: every exclusive grant gets a token of its own.
@@ -86,14 +123,26 @@ class Ledger(Bookkeeping):
         self.by_lease: dict[int, ClusterSession] = {}
         self.sessions_lost = 0
         self.local_waiting = 0
+        #: The waiting request of each session that has one, by session id.
+        self.waits: dict[str, ClusterWait] = {}
 
     # --------------------------------------------------------------- sessions
 
     def let_go(self, session: ClusterSession) -> None:
         """The session is no longer this node's (ended, lost or moved)."""
         self.sessions.pop(session.id, None)
+        wait = self.waits.get(session.id)
+        if wait is not None and wait.session is session:
+            del self.waits[session.id]
         if self.by_lease.get(session.lease) is session:
             del self.by_lease[session.lease]
+
+    def suspended_wait(self, session: ClusterSession) -> ClusterWait | None:
+        """The wait a hand-over stopped for ``session``, to be waited on for it."""
+        wait = self.waits.get(session.id)
+        if wait is None or wait.session is not session or not wait.suspended:
+            return None
+        return wait
 
     def local_hold(self, lease: int, key: bytes) -> ClusterHold | None:
         """The exclusive hold on ``key`` of this node's session with ``lease``."""

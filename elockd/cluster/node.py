@@ -55,29 +55,45 @@ class ClusterNode:
         self.session_ttl = ownership.session_ttl
         self.mirror = mirror
         self._node_lease = 0
+        #: A predecessor's heartbeat lease, taken over with its books (docs/upgrade.md).
+        self.adopted_lease = 0
+        #: Sessions taken over whose connection could not move (TLS): they end by
+        #: their usual rules once the node runs, since ending writes to etcd.
+        self.ended_at_join: list[ClusterSession] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Join the cluster, then keep leases alive and the mirror current until
         cancelled; on the way out, revoke this node's sessions so their locks go at
         once rather than after the session TTL."""
         await self.calls.until_answered(self._load_token_floor)
-        self._node_lease = await self.calls.until_answered(self._start_heartbeat)
+        if self.adopted_lease:
+            self._node_lease = await self.calls.until_answered(self._adopt_heartbeat)
+        else:
+            self._node_lease = await self.calls.until_answered(self._start_heartbeat)
         await self.calls.until_answered(self._load_mirror)
+        if self.adopted_lease:
+            # Records claimed elsewhere while the predecessor was handing over.
+            await self.calls.until_answered(self.ownership.recheck_records)
         try:
             async with trio.open_nursery() as nursery:
                 self.calls.nursery = nursery
                 nursery.start_soon(self._watch)
                 nursery.start_soon(self._keep_alive)
                 nursery.start_soon(self._heartbeat)
+                for session in self.ended_at_join:
+                    self.ownership.disconnect(session, trio.current_time())
+                self.ended_at_join = []
                 log.info("node %s joined at revision %d", self.node_id, self.mirror.revision)
                 task_status.started()
         finally:
             self.calls.nursery = None
-            with trio.move_on_after(SHUTDOWN_GRACE) as cleanup:
-                cleanup.shield = True
-                async with trio.open_nursery() as ends:
-                    ends.start_soon(self.ownership.end_all)
-                    ends.start_soon(self.calls.revoke_quietly, self._node_lease)
+            # Handed over, the successor runs these sessions and this node's heartbeat.
+            if not self.calls.handed_over:
+                with trio.move_on_after(SHUTDOWN_GRACE) as cleanup:
+                    cleanup.shield = True
+                    async with trio.open_nursery() as ends:
+                        ends.start_soon(self.ownership.end_all)
+                        ends.start_soon(self.calls.revoke_quietly, self._node_lease)
 
     # ------------------------------------------------------------------- join
 
@@ -100,6 +116,20 @@ class ClusterNode:
         lease, _ = await self.client.lease_grant(self._heartbeat_ttl())
         await self.client.put(self.layout.node(self.node_id), b"%d" % os.getpid(), lease)
         return lease
+
+    async def _adopt_heartbeat(self) -> int:
+        """The predecessor's heartbeat lease, so that its sessions' records still name
+        a live node; a new one if it ran out meanwhile."""
+        if await self.client.lease_keepalive(self.adopted_lease) == 0:
+            return await self._start_heartbeat()
+        await self.client.put(
+            self.layout.node(self.node_id), b"%d" % os.getpid(), self.adopted_lease
+        )
+        return self.adopted_lease
+
+    @property
+    def heartbeat_lease(self) -> int:
+        return self._node_lease
 
     async def _load_mirror(self) -> None:
         queues = self.layout.queues
@@ -135,6 +165,8 @@ class ClusterNode:
             await trio.sleep(period)
             now = trio.current_time()
             for session in list(self.ledger.sessions.values()):
+                if self.calls.frozen:
+                    break  # a hand-over copies the books; whoever serves on checks
                 if session.lease and not session.lost and now > session.expires_at:
                     # etcd may have expired the lease: its holds are no longer this
                     # node's to promise. Fail closed.
@@ -143,7 +175,8 @@ class ClusterNode:
                 for session in list(self.ledger.sessions.values()):
                     if session.lease and not session.lost:
                         nursery.start_soon(self._keep_session_alive, session)
-            await self._sweep()
+            if not self.calls.frozen:
+                await self._sweep()
 
     async def _heartbeat(self) -> None:
         """The node's own lease, renewed in a loop of its own (a slow session
@@ -152,6 +185,8 @@ class ClusterNode:
         ttl = self._heartbeat_ttl()
         while True:
             await trio.sleep(ttl / 4)
+            if self.calls.handed_over:
+                return  # the successor beats for this node now
             try:
                 if await self.client.lease_keepalive(self._node_lease) == 0:
                     self._node_lease = await self._start_heartbeat()
@@ -175,7 +210,8 @@ class ClusterNode:
         if session.lease != lease:
             return
         if remaining == 0:
-            self.ownership.lose(session, "its etcd lease expired")
+            if not self.calls.frozen:  # else whoever serves on finds out
+                self.ownership.lose(session, "its etcd lease expired")
         else:
             session.expires_at = sent + remaining
 

@@ -182,6 +182,13 @@ class SessionOwnership:
         assert isinstance(session, ClusterSession)
         session.connected = False
         session.abort = None
+        stopped = self.ledger.suspended_wait(session)
+        if stopped is not None:
+            # A wait a failed hand-over kept, whose client left before asking again.
+            del self.ledger.waits[session.id]
+            session.pending.difference_update(stopped.entries)
+            entries = [(e, stopped.revision) for e in stopped.entries]
+            self.calls.spawn(lambda: self.delete_entries(session, entries), "end a wait")
         if session.grace > 0 and session.lease and not session.lost:
             self.ledger.start_grace(session, now)
             self.calls.spawn(lambda: self.write_record(session), "session record")
@@ -295,6 +302,8 @@ class SessionOwnership:
         kv = event.kv
         if event.type == "DELETE" or not kv.key.startswith(self.layout.sessions):
             return
+        if self.calls.frozen:
+            return  # a hand-over copies the books: whoever serves on rechecks the records
         session = self.ledger.by_lease.get(kv.lease)
         if session is None or kv.mod_revision <= session.record_revision:
             return

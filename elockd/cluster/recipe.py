@@ -34,7 +34,7 @@ from elockd.cluster.etcd_client import (
     txn_op,
 )
 from elockd.cluster.layout import EXCLUSIVE, SHARED, entry_value, parse_entry_value
-from elockd.cluster.ledger import ClusterHold, ClusterSession
+from elockd.cluster.ledger import ClusterHold, ClusterSession, ClusterWait
 from elockd.cluster.mirror import (
     GRANTED,
     LOST,
@@ -105,7 +105,9 @@ class LockRecipe:
         try:
             return await self._request(session, kind, missing, entries, limit, ttl, wait)
         finally:
-            session.pending.difference_update(entries)
+            if self.ledger.suspended_wait(session) is None:
+                # Unless a hand-over keeps the wait: its entries stay this session's.
+                session.pending.difference_update(entries)
 
     def _waiting(self, kind: bytes, key: bytes) -> int:
         """Requests waiting for ``key`` now (``--max-waiters`` counts these, cluster
@@ -246,24 +248,60 @@ class LockRecipe:
         ttl: float | None,
         wait: float,
     ) -> Grant:
-        ledger = self.ledger
+        now = trio.current_time()
+        state = ClusterWait(session, kind, keys, entries, revision, limit, ttl, now + wait, now)
+        return await self.wait_for(state)
+
+    async def wait_for(self, state: ClusterWait) -> Grant:
+        """Wait until the mirror grants ``state``'s entries, or its deadline. Also
+        the wait of a request a hand-over stopped, here or on a predecessor: its
+        entries kept their place in the queues meanwhile.
+
+        While a hand-over copies the books (``calls.frozen``) the outcome waits: a
+        grant or a timeout is whoever serves the connection next's to give. If this
+        task ends meanwhile, the wait is kept, suspended, entries and all."""
+        # Not strays to the sweep until the request has ended (a shared grant is
+        # marked held after the wait), or while a hand-over keeps the wait.
+        state.session.pending.update(state.entries)
+        try:
+            return await self._wait_for(state)
+        finally:
+            if not state.suspended:
+                state.session.pending.difference_update(state.entries)
+
+    async def _wait_for(self, state: ClusterWait) -> Grant:
+        ledger, calls = self.ledger, self.calls
+        session, kind, keys, entries = state.session, state.kind, state.keys, state.entries
+        revision, limit, ttl = state.revision, state.limit, state.ttl
         waiter = ClusterWaiter([(kind, k) for k in keys], limit)
         waiter.revision = revision
         woken = trio.Event()
         waiter.wake = woken.set
-        since = trio.current_time()
+        state.suspended = False
+        ledger.waits[session.id] = state
         ledger.local_waiting += 1
         self.mirror.add_waiter(waiter)
+        kept = False
         try:
-            with trio.move_on_after(wait):
-                await woken.wait()
+            with calls.resting():
+                while True:
+                    with trio.move_on_at(state.deadline):
+                        await woken.wait()
+                    if not calls.frozen:
+                        break
+                    await calls.thawed()
         finally:
             ledger.local_waiting -= 1
             self.mirror.remove_waiter(waiter)
+            kept = calls.frozen or calls.handed_over
+            if kept:
+                state.suspended = True  # entries, place and deadline move as they are
+            elif ledger.waits.get(session.id) is state:
+                del ledger.waits[session.id]
             now = trio.current_time()
-            if ledger.on_wait_end is not None:
-                ledger.on_wait_end(kind == SHARED, now - since)
-            if waiter.state != GRANTED:
+            if ledger.on_wait_end is not None and not kept:
+                ledger.on_wait_end(kind == SHARED, now - state.since)
+            if waiter.state != GRANTED and not kept:
                 # Timed out, lost, or the peer left: take our entries out of the
                 # queues (also when this task is being cancelled). If etcd cannot
                 # be reached now, the stray sweep deletes them later.

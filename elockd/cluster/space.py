@@ -24,16 +24,30 @@ transactions) without the others.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar, cast
 
 import trio
 
-from elockd.backend import Grant, Holders, KeyInfo, Later
+from elockd.backend import (
+    BackendUnavailable,
+    Grant,
+    Holders,
+    KeyInfo,
+    Later,
+    QueueFull,
+    TooManyHolds,
+)
 from elockd.cluster.calls import EtcdCalls
 from elockd.cluster.etcd_client import EtcdClient
 from elockd.cluster.layout import EXCLUSIVE, SHARED, Layout, parse_entry_value
-from elockd.cluster.ledger import ClusterHold, ClusterSession, Ledger, fencing_token
+from elockd.cluster.ledger import (
+    ClusterAnswer,
+    ClusterHold,
+    ClusterSession,
+    Ledger,
+    fencing_token,
+)
 from elockd.cluster.mirror import QueueMirror
 from elockd.cluster.node import ClusterNode
 from elockd.cluster.ownership import SessionOwnership
@@ -67,6 +81,17 @@ class _InLedger(Generic[T]):
 
     def __set__(self, space: Any, value: T) -> None:
         setattr(space.ledger, self.name, value)
+
+
+class WaitingRequest(Later[Grant]):
+    """A waiting request of ``session``, with its answer once it has one."""
+
+    __slots__ = ("answer", "session")
+
+    def __init__(self, run: Callable[[], Awaitable[Grant]], session: ClusterSession) -> None:
+        super().__init__(run, waits=True)
+        self.session = session
+        self.answer: ClusterAnswer | None = None
 
 
 class ClusterLockSpace:
@@ -189,12 +214,10 @@ class ClusterLockSpace:
     def lock(
         self, session: Session, keys: list[bytes], now: float, *, wait: float, ttl: float | None
     ) -> Later[Grant]:
-        async def run() -> Grant:
-            return await self.recipe.acquire(
-                _ours(session), EXCLUSIVE, keys, limit=1, ttl=ttl, wait=wait
-            )
+        def start() -> Awaitable[Grant]:
+            return self.recipe.acquire(_ours(session), EXCLUSIVE, keys, limit=1, ttl=ttl, wait=wait)
 
-        return Later(run, waits=wait > 0)
+        return self._waiting(_ours(session), start) if wait > 0 else Later(start)
 
     def lock_shared(
         self,
@@ -206,12 +229,51 @@ class ClusterLockSpace:
         wait: float,
         ttl: float | None,
     ) -> Later[Grant]:
-        async def run() -> Grant:
-            return await self.recipe.acquire(
+        def start() -> Awaitable[Grant]:
+            return self.recipe.acquire(
                 _ours(session), SHARED, [key], limit=limit or 0, ttl=ttl, wait=wait
             )
 
-        return Later(run, waits=wait > 0)
+        return self._waiting(_ours(session), start) if wait > 0 else Later(start)
+
+    def _waiting(
+        self, session: ClusterSession, start: Callable[[], Awaitable[Grant]] | None
+    ) -> WaitingRequest:
+        """A request that waits for a grant, as a hand-over can stop and move it
+        (docs/upgrade.md). Asked again (after a failed hand-over, or on the
+        successor, where ``start`` is None), it gives the answer it already had, or
+        waits on where its wait stood."""
+        ledger, calls = self.ledger, self.calls
+
+        async def run() -> Grant:
+            if request.answer is not None:
+                return request.answer.give()
+            stopped = ledger.suspended_wait(session)
+            with calls.busy():
+                try:
+                    if stopped is not None:
+                        grant = await self.recipe.wait_for(stopped)
+                    elif start is not None:
+                        grant = await start()
+                    else:
+                        raise BackendUnavailable("the waiting request did not come along")
+                except (BackendUnavailable, QueueFull, TooManyHolds) as refusal:
+                    request.answer = ClusterAnswer(refusal=refusal)
+                    raise
+                request.answer = ClusterAnswer(grant)
+            return grant
+
+        request = WaitingRequest(run, session)
+        return request
+
+    def later_for(
+        self, session: ClusterSession, answer: ClusterAnswer | None = None
+    ) -> WaitingRequest:
+        """The reply-later of a waiting request taken over from a predecessor: its
+        answer if it had one, else its wait (suspended in the books)."""
+        request = self._waiting(session, None)
+        request.answer = answer
+        return request
 
     def release_all(self, session: Session, now: float) -> Later[None]:
         return Later(lambda: self.recipe.release_all(_ours(session)))
@@ -240,6 +302,28 @@ class ClusterLockSpace:
             return found
 
         return Later(run)
+
+    # ------------------------------------------- hand-over (docs/upgrade.md)
+
+    def freeze(self) -> None:
+        self.calls.freeze()
+
+    async def settle(self) -> None:
+        await self.calls.settled()
+
+    def thaw(self) -> None:
+        self.calls.thaw()
+        # What the watch skipped while frozen: sessions claimed elsewhere meanwhile.
+        self.calls.spawn(self.ownership.recheck_records, "recheck session records")
+
+    def hand_off(self) -> None:
+        self.calls.hand_off()
+
+    def adopt_identity(self, node_id: str, heartbeat_lease: int) -> None:
+        """Be the node a predecessor was: its sessions' records name it, and its
+        heartbeat lease says it lives."""
+        self.node_id = self.ownership.node_id = self.node.node_id = node_id
+        self.node.adopted_lease = heartbeat_lease
 
     @property
     def backend_unavailable(self) -> int:

@@ -28,17 +28,22 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
-from elockd.handover.state import FORMAT, VERSION, ConnectionState, Restorer, StateError, dump_state
+from elockd.handover.records import FORMAT, VERSION, ConnectionState, StateError
+from elockd.handover.state import Restorer, dump_state
+from elockd.memory import MemoryBackend
 from elockd.pause import Parked
 from elockd.protocol import Service
 from elockd.startup import StartupError
 from elockd.transport import Closer, SocketTransport
 from elockd.unix_socket import open_unix_socket
+
+if TYPE_CHECKING:
+    from elockd.handover.cluster_state import ClusterRestorer
 
 log = logging.getLogger("elockd")
 
@@ -121,19 +126,23 @@ class Giver:
             await _try_send(channel, {"t": "refused", "why": f"state version {VERSION}"})
             return False
         started = time.monotonic()
+        backend = self.service.backend
         await self.stop_work()
+        backend.freeze()
         pause.request()
         committed = False
         pause_ms = 0.0
         try:
-            await self._wait_for_rest()
+            resting = await self._wait_for_rest()
             # A successor that stops reading must not keep every client paused.
             with trio.fail_after(self.timeout):
-                await self._send_state(channel, started)
+                await backend.settle()
+                await self._send_state(channel, started, resting)
                 reply, _ = await channel.receive()
             if reply.get("t") != "ready":
                 raise HandOverFailed(f"the successor said {reply.get('why') or reply.get('t')}")
             committed = True  # from here on, the state is the successor's
+            backend.hand_off()
             await _try_send(channel, {"t": "go"})
             pause_ms = (time.monotonic() - started) * 1000  # the successor serves now
             with trio.move_on_after(DONE_TIMEOUT):
@@ -145,26 +154,31 @@ class Giver:
                 why = "no answer in time" if isinstance(error, trio.TooSlowError) else str(error)
                 log.warning("hand-over failed: %s; serving on", why or type(error).__name__)
                 await _try_send(channel, {"t": "aborted", "why": why})
+                backend.thaw()
                 pause.resume()
                 self.restart_work()
                 return False
         log.info("handed over to the successor after a %.0f ms pause; exiting", pause_ms)
         return True
 
-    async def _wait_for_rest(self) -> None:
-        """Until every connection with a session has parked (or ended)."""
+    async def _wait_for_rest(self) -> list[Parked]:
+        """Until every connection with a session has parked (or ended): then every
+        connection at rest, taken at that instant. A connection at rest can do
+        nothing observable until the decision, so this list stays the state to
+        hand over, also while one of them moves from its wait to parked (and is,
+        for a moment, in neither list of the pause)."""
         service, pause = self.service, self.service.pause
-        with trio.move_on_after(self.timeout) as late:
+        with trio.move_on_after(self.timeout):
             while True:
-                resting = {id(p.conn) for p in pause.resting() if p.conn is not None}
-                if all(id(conn) in resting for conn in service.connections):
-                    break
+                resting = pause.resting()
+                conns = {id(p.conn) for p in resting if p.conn is not None}
+                if all(id(conn) in conns for conn in service.connections):
+                    return resting
                 await pause.wait_for_change(0.01)
-        if late.cancelled_caught:
-            busy = len(service.connections) - len(pause.resting())
-            raise HandOverFailed(f"{busy} connections did not reach a request boundary")
+        busy = len(service.connections) - len(pause.resting())
+        raise HandOverFailed(f"{busy} connections did not reach a request boundary")
 
-    async def _send_state(self, channel: Channel, started: float) -> None:
+    async def _send_state(self, channel: Channel, started: float, resting: list[Parked]) -> None:
         listeners = self.listeners
         kinds = [kind for _, kind in listeners.lock]
         fds = [sock.fileno() for sock, _ in listeners.lock]
@@ -183,12 +197,13 @@ class Giver:
                 "paused_at": started,
                 "dumped_at": time.monotonic(),
                 "listeners": kinds,
+                "backend": backend_kind(self.service),
             },
             fds[:MAX_FDS_PER_MESSAGE],
         )
         connections: list[ConnectionState] = []
         movable = 0
-        for parked in self.service.pause.resting():
+        for parked in resting:
             if isinstance(parked.transport, SocketTransport):
                 connections.append(ConnectionState(parked, movable))
                 movable += 1
@@ -196,7 +211,12 @@ class Giver:
                 connections.append(ConnectionState(parked, None))
         now = trio.current_time()
         sent = 0
-        for record in dump_state(self.service, connections, now):
+        dump = dump_state
+        if backend_kind(self.service) == "etcd":
+            from elockd.handover.cluster_state import dump_cluster  # only a node loads etcd
+
+            dump = dump_cluster
+        for record in dump(self.service, connections, now):
             fds = []
             if record["t"] == "connections":
                 # Their rows come in the list's order; each movable one brings its socket.
@@ -207,6 +227,11 @@ class Giver:
                         fds.append(transport.sock.fileno())
                 sent += len(record["rows"])
             await channel.send(record, fds)
+
+
+def backend_kind(service: Service) -> str:
+    """Which tables a state carries: a successor must run the same backend."""
+    return "memory" if isinstance(service.backend, MemoryBackend) else "etcd"
 
 
 async def _try_send(channel: Channel, message: dict[str, Any]) -> None:
@@ -289,8 +314,19 @@ async def _receive_everything(
                 f"(this elockd reads version {VERSION}); the old process serves on"
             )
         listeners = _listeners(header["listeners"], fds, service)
+        theirs, ours = header.get("backend", "memory"), backend_kind(service)
+        if theirs != ours:
+            flag = "without --etcd" if ours == "etcd" else "with --etcd"
+            raise StateError(f"the old process runs {flag} ({theirs} backend), this one not")
         elapsed = time.monotonic() - float(header["dumped_at"])
-        restorer = Restorer(service, trio.current_time() - elapsed)
+        now = trio.current_time() - elapsed
+        restorer: Restorer | ClusterRestorer
+        if ours == "etcd":
+            from elockd.handover.cluster_state import ClusterRestorer  # only a node loads etcd
+
+            restorer = ClusterRestorer(service, now)
+        else:
+            restorer = Restorer(service, now)
         transports: dict[int, SocketTransport] = {}
         send_timeout = service.config.send_timeout
         while not restorer.ended:
@@ -318,15 +354,19 @@ async def _receive_everything(
         decision = {"t": "go"}  # the old process is gone after ready: it never serves again
     if decision.get("t") != "go":
         raise StartupError(f"--take-over {path}: the old process aborted: {decision.get('why')}")
-    engine = service.backend
+    if not isinstance(restorer, Restorer):
+        sessions, holds = len(restorer.sessions), restorer.holds
+    else:
+        engine = service.backend
+        sessions, holds = len(engine.sessions), len(engine.exclusive) + engine.shared_holders
     return TakenOver(
         listeners,
         connections,
         channel,
         int(header["pid"]),
         float(header["paused_at"]),
-        sessions=len(engine.sessions),
-        holds=len(engine.exclusive) + engine.shared_holders,
+        sessions=sessions,
+        holds=holds,
     )
 
 

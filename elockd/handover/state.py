@@ -22,58 +22,36 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from elockd.framing import LineReader
+from elockd.handover.records import (
+    FORMAT,
+    VERSION,
+    ConnectionState,
+    Record,
+    StateError,
+    batches,
+    connection_records,
+    raw,
+    rebuild_connections,
+    restore_service_counters,
+    service_counters,
+    text,
+)
 from elockd.memory import MemoryBackend
-from elockd.pause import Backlog, Parked
-from elockd.protocol import WORD, Connection, Outcome, Service
+from elockd.pause import Parked
+from elockd.protocol import Outcome, Service
 from elockd.sessions import WAITING, Hold, Session, Waiter
 from elockd.transport import Transport
-from elockd.word import WAIT_REPLIES
 
-#: What the stream is, and the versions of it this code reads and writes. A
-#: successor refuses any other version, and the old server then serves on.
-FORMAT = "elockd-state"
-VERSION = 1
+__all__ = ["FORMAT", "VERSION", "ConnectionState", "Restorer", "StateError", "dump_state"]
 
-#: Rows per record: a record stays well under a megabyte even with long keys.
-BATCH = 2000
 #: Holds per record (column by column, see _holds).
 HOLDS_BATCH = 5000
-#: Connections per record: each brings its socket, and one message carries at most
-#: 253 descriptors (SCM_MAX_FD).
-CONNECTIONS_BATCH = 250
-
-Record = dict[str, Any]
-
-
-class StateError(Exception):
-    """The stream is not a state this code can adopt (the message says why)."""
-
-
-def text(data: bytes) -> str:
-    return data.decode("latin-1")
-
-
-def raw(data: str) -> bytes:
-    return data.encode("latin-1")
 
 
 def _left(deadline: float | None, now: float) -> float | None:
     return None if deadline is None or deadline == math.inf else deadline - now
-
-
-def _batches(kind: str, rows: Iterator[list[Any]]) -> Iterator[Record]:
-    batch: list[list[Any]] = []
-    for row in rows:
-        batch.append(row)
-        if len(batch) >= BATCH:
-            yield {"t": kind, "rows": batch}
-            batch = []
-    if batch:
-        yield {"t": kind, "rows": batch}
 
 
 Deadlined = Hold | Session | Waiter
@@ -94,15 +72,6 @@ def _deadline_order(engine: MemoryBackend) -> dict[Deadlined, int]:
         if heap.is_current(deadline, target) and tiebreak < order.get(target, tiebreak + 1):
             order[target] = tiebreak  # a target's first live entry is the one that runs
     return order
-
-
-@dataclass
-class ConnectionState:
-    """A parked connection as the state names it: ``fd`` is its place among the
-    sockets sent along, or None when its socket cannot move (TLS, WebSocket)."""
-
-    parked: Parked
-    fd: int | None
 
 
 def _holds(
@@ -136,7 +105,6 @@ def dump_state(
     engine = service.backend
     if not isinstance(engine, MemoryBackend):
         raise StateError("only the in-memory backend's state moves")
-    counters, timings = service.counters, service.timings
     yield {
         "t": "engine",
         "next_token": engine._next_token,
@@ -144,13 +112,7 @@ def dump_state(
         "shared_orphans": engine.shared_orphans,
         "expired": engine.expired,
         "timeouts": engine.timeouts,
-        "commands": {text(verb): count for verb, count in counters.commands.items()},
-        "invalid_commands": counters.invalid_commands,
-        "handovers": counters.handovers,
-        "timings": {
-            kind: [[b.counts, b.sum] for b in buckets]
-            for kind, buckets in (("wait", timings.wait), ("hold", timings.hold))
-        },
+        **service_counters(service),
     }
     index: dict[Session, int] = {}
     order = _deadline_order(engine)  # the last field of each row with a deadline
@@ -168,7 +130,7 @@ def dump_state(
                 order.get(session),
             ]
 
-    yield from _batches("sessions", sessions())
+    yield from batches("sessions", sessions())
     yield from _holds("exclusive", iter(engine.exclusive.values()), now, index, order)
     yield from _holds(
         "shared",
@@ -192,7 +154,7 @@ def dump_state(
     ordered = sorted(waiters, key=lambda w: w.serial)
     for waiter in ordered:
         refs[waiter] = len(refs)
-    yield from _batches(
+    yield from batches(
         "waiters",
         (
             [
@@ -213,7 +175,7 @@ def dump_state(
             for w in ordered
         ),
     )
-    yield from _batches(
+    yield from batches(
         "queues",
         (
             [table, text(key), [refs[w] for w in queue]]
@@ -221,50 +183,16 @@ def dump_state(
             for key, queue in queues.items()
         ),
     )
-    yield from _batches("ending", ([index[session], why] for session, why in engine._ending))
+    yield from batches("ending", ([index[session], why] for session, why in engine._ending))
     # The next arrival serial (taking one from the counter costs nothing: serials
     # only need to grow).
     yield {"t": "engine_tail", "next_arrival": next(engine._arrivals)}
-    named = {conn: place for place, conn in enumerate(service.named)}
-    finish_names: dict[object, str] = {finish: name for name, finish in WAIT_REPLIES.items()}
-    rows: list[Record] = []
-    for state in connections:
-        parked = state.parked
-        conn, backlog, reader = parked.conn, parked.backlog, parked.reader
-        pending = None
-        if backlog.pending is not None:
-            waiter = backlog.pending.later.waiter  # type: ignore[attr-defined]
-            pending = [refs[waiter], finish_names[backlog.pending.finish]]
-        rows.append(
-            {
-                "fd": state.fd,
-                "session": None if conn is None else index[conn.session],
-                "peer": text(parked.peer),
-                "authenticated": conn is None or conn.authenticated,
-                "named": None if conn is None else named.get(conn),
-                "pending": pending,
-                "lines": [None if line is None else text(line) for line in backlog.remaining()],
-                "partial": text(bytes(reader._partial)),
-                "discarding": reader._discarding,
-                "read_ahead": text(getattr(parked.transport, "read_ahead", b"")),
-            }
-        )
-        if len(rows) == CONNECTIONS_BATCH:
-            yield {"t": "connections", "rows": rows}
-            rows = []
-    if rows:
-        yield {"t": "connections", "rows": rows}
+
+    def pending_ref(outcome: Outcome, session: Session) -> int:
+        return refs[outcome.later.waiter]  # type: ignore[attr-defined]
+
+    yield from connection_records(service, connections, index, pending_ref)
     yield {"t": "end"}
-
-
-@dataclass
-class Adopted:
-    """A connection rebuilt from the state: serve it with ``parked`` as the resumed
-    state once its socket (``fd``) is wrapped in ``parked.transport``."""
-
-    fd: int
-    parked: Parked
-    read_ahead: bytes
 
 
 class Restorer:
@@ -299,23 +227,13 @@ class Restorer:
     # Each record kind, in stream order.
 
     def _engine(self, record: Record) -> None:
-        engine, counters, timings = self.engine, self.service.counters, self.service.timings
+        engine = self.engine
         engine._next_token = max(engine._next_token, int(record["next_token"]))
         engine.orphans = record["orphans"]
         engine.shared_orphans = record["shared_orphans"]
         engine.expired = record["expired"]
         engine.timeouts = record["timeouts"]
-        for verb, count in record["commands"].items():
-            if raw(verb) in counters.commands:
-                counters.commands[raw(verb)] = count
-        counters.invalid_commands = record["invalid_commands"]
-        counters.handovers = record["handovers"] + 1
-        for kind, buckets in (("wait", timings.wait), ("hold", timings.hold)):
-            for target, (counts, total) in zip(buckets, record["timings"][kind], strict=True):
-                if len(counts) != len(target.counts):
-                    raise StateError(f"{kind} histogram has other buckets")
-                target.counts[:] = counts
-                target.sum = total
+        restore_service_counters(self.service, record)
 
     def _sessions(self, record: Record) -> None:
         engine, now = self.engine, self.now
@@ -446,42 +364,14 @@ class Restorer:
         not move are disconnected now, by their usual rules."""
         if not self.ended:
             raise StateError("the state ended early")
-        service, engine, now = self.service, self.engine, self.now
-        served: list[Parked] = []
-        named: list[tuple[int, Connection]] = []
-        for record in self.records:
-            owner = record["session"]
-            session = None if owner is None else self.sessions[owner]
-            fd = record["fd"]
-            if fd is None or fd not in transports:
-                if session is not None and session.connected:
-                    engine.disconnect(session, now)
-                continue
-            peer = raw(record["peer"])
-            conn = None
-            backlog = Backlog(lines=[None if x is None else raw(x) for x in record["lines"]])
-            if session is not None:
-                conn = Connection(service, peer, session)
-                if record["authenticated"]:
-                    conn.authenticate()
-                if record["named"] is not None:
-                    named.append((record["named"], conn))
-                if record["pending"] is not None:
-                    ref, reply = record["pending"]
-                    later = engine.later_for(self.waiters[ref])
-                    backlog.pending = Outcome(later, WAIT_REPLIES[reply], WORD, peer)
-            reader = LineReader(service.config.max_line)
-            reader._partial = bytearray(raw(record["partial"]))
-            reader._discarding = record["discarding"]
-            transport = transports[fd]
-            transport.read_ahead = raw(record["read_ahead"])  # type: ignore[attr-defined]
-            served.append(Parked(conn, reader, transport, peer, backlog))
-        for _, conn in sorted(named, key=lambda pair: pair[0]):
-            service.named[conn] = None
-        # Sessions that were connected but came without a connection (none should):
-        # treated as a connection that closed at the hand-over.
-        served_sessions = {id(p.conn.session) for p in served if p.conn is not None}
-        for session in self.sessions:
-            if session.connected and id(session) not in served_sessions:
-                engine.disconnect(session, now)
+        engine = self.engine
+        served, gone = rebuild_connections(
+            self.service,
+            self.records,
+            transports,
+            self.sessions,
+            lambda ref: engine.later_for(self.waiters[ref]),
+        )
+        for session in gone:
+            engine.disconnect(session, self.now)
         return served

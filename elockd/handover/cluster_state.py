@@ -1,0 +1,293 @@
+"""A cluster node's books as a hand-over moves them (docs/upgrade.md).
+
+The locks themselves stay in etcd: what moves is what this node promised its
+clients on etcd's word, so that the successor can keep the promises. The node's
+identity (its id, which its sessions' records name, and its heartbeat lease, by
+which other nodes see it alive), every session with its etcd lease, the revision of
+its record (the guard of every free) and its grace; every hold with its entry's
+revision, token and ``ttl=`` time left; and every waiting request, whose entries
+keep their place in etcd's queues while it moves. The successor keeps the session
+leases alive from then on, so nothing in etcd changes hands.
+
+Pure, like :mod:`.state`: records in, records out, times as durations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from elockd.backend import BackendUnavailable, Grant, QueueFull, TooManyHolds
+from elockd.cluster.layout import EXCLUSIVE, SHARED
+from elockd.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, ClusterWait
+from elockd.cluster.space import ClusterLockSpace, WaitingRequest
+from elockd.handover.records import (
+    ConnectionState,
+    Record,
+    StateError,
+    batches,
+    connection_records,
+    raw,
+    rebuild_connections,
+    restore_service_counters,
+    service_counters,
+    text,
+)
+from elockd.pause import Parked
+from elockd.protocol import Outcome, Service
+from elockd.sessions import Session
+from elockd.transport import Transport
+
+KINDS = {EXCLUSIVE: "x", SHARED: "s"}
+KIND_OF = {name: kind for kind, name in KINDS.items()}
+
+
+def _left(deadline: float | None, now: float) -> float | None:
+    return None if deadline is None or deadline == math.inf else deadline - now
+
+
+def dump_cluster(
+    service: Service, connections: list[ConnectionState], now: float
+) -> Iterator[Record]:
+    """The records of a cluster node's books, in the order :class:`ClusterRestorer`
+    reads them."""
+    space = service.backend
+    assert isinstance(space, ClusterLockSpace)
+    ledger = space.ledger
+    yield {
+        "t": "node",
+        "node_id": space.node_id,
+        "heartbeat_lease": space.node.heartbeat_lease,
+        "prefix": text(space.layout.root),
+        "orphans": ledger.orphans,
+        "shared_orphans": ledger.shared_orphans,
+        "expired": ledger.expired,
+        "timeouts": ledger.timeouts,
+        "sessions_lost": ledger.sessions_lost,
+        **service_counters(service),
+    }
+    index: dict[Session, int] = {}
+    # A lost session is here only while its connection ends: the successor finds
+    # its lease gone and ends it the same way.
+    sessions = list(ledger.sessions.values())
+
+    def session_rows() -> Iterator[list[Any]]:
+        for session in sessions:
+            index[session] = len(index)
+            yield [
+                session.id,
+                text(session.peer),
+                None if session.name is None else text(session.name),
+                session.grace,
+                session.connected,
+                _left(session.grace_deadline, now),
+                session.lease,
+                _left(session.expires_at, now),
+                session.record_revision,
+            ]
+
+    yield from batches("cluster_sessions", session_rows())
+
+    def hold_rows() -> Iterator[list[Any]]:
+        for session in sessions:
+            for hold in ledger.holds(session):
+                yield [
+                    index[session],
+                    KINDS[SHARED if hold.shared else EXCLUSIVE],
+                    text(hold.key),
+                    hold.revision,
+                    hold.token,
+                    now - hold.granted_at,
+                    hold.ttl,
+                    _left(hold.lease_deadline, now),
+                ]
+
+    yield from batches("cluster_holds", hold_rows())
+    waits = [w for w in ledger.waits.values() if w.session in index]
+    yield from batches(
+        "cluster_waits",
+        (
+            [
+                index[w.session],
+                KINDS[w.kind],
+                [text(k) for k in w.keys],
+                w.revision,
+                w.limit,
+                w.ttl,
+                w.deadline - now,
+                now - w.since,
+            ]
+            for w in waits
+        ),
+    )
+    # A connection's waiting request: its answer, if it got one before it could be
+    # sent, or else its session's one wait in the books.
+    answered: list[list[Any]] = []
+    for state in connections:
+        pending, conn = state.parked.backlog.pending, state.parked.conn
+        if pending is None or conn is None:
+            continue
+        request = pending.later
+        if isinstance(request, WaitingRequest) and request.answer is not None:
+            answered.append([index[conn.session], *_answer_row(request.answer)])
+    yield from batches("cluster_answers", iter(answered))
+    waiting = {w.session.id for w in waits}
+
+    def pending_ref(outcome: Outcome, session: Session) -> int:
+        request = outcome.later
+        if not isinstance(request, WaitingRequest) or (
+            request.answer is None and session.id not in waiting
+        ):
+            raise StateError("a waiting request without its wait in the books")
+        return index[session]
+
+    yield from connection_records(service, connections, index, pending_ref)
+    yield {"t": "end"}
+
+
+REFUSALS: dict[str, type[Exception]] = {
+    kind.__name__: kind for kind in (BackendUnavailable, QueueFull, TooManyHolds)
+}
+
+
+def _answer_row(answer: ClusterAnswer) -> list[Any]:
+    if answer.refusal is not None:
+        return ["refused", type(answer.refusal).__name__, str(answer.refusal)]
+    grant = answer.grant
+    assert grant is not None
+    return ["grant", grant.granted, grant.count, [text(k) for k in grant.blocked]]
+
+
+def _answer(row: list[Any]) -> ClusterAnswer:
+    if row[0] == "refused":
+        kind = REFUSALS.get(row[1])
+        if kind is None:
+            raise StateError(f"unknown refusal {row[1]!r}")
+        return ClusterAnswer(refusal=kind(row[2]))
+    granted, count, blocked = row[1:]
+    return ClusterAnswer(Grant(granted, count, [raw(k) for k in blocked]))
+
+
+class ClusterRestorer:
+    """Rebuilds a predecessor's books into a fresh cluster node, record by record
+    (:meth:`feed`); :meth:`connections` then gives the connections to serve."""
+
+    def __init__(self, service: Service, now: float) -> None:
+        space = service.backend
+        if not isinstance(space, ClusterLockSpace):
+            raise StateError("this elockd is not a cluster node (--etcd)")
+        if space.ledger.sessions:
+            raise StateError("the backend already has sessions")
+        self.service = service
+        self.space = space
+        self.now = now
+        self.sessions: list[Session] = []
+        self.waits: list[ClusterWait] = []
+        self.records: list[Record] = []
+        self.answers: dict[int, ClusterAnswer] = {}  # by session place
+        self.holds = 0
+        self.ended = False
+
+    def feed(self, record: Record) -> None:
+        kind = record.get("t")
+        handler = getattr(self, f"_{kind}", None)
+        if handler is None or self.ended:
+            raise StateError(f"unexpected record {kind!r}")
+        handler(record)
+
+    def _node(self, record: Record) -> None:
+        space, ledger = self.space, self.space.ledger
+        if raw(record["prefix"]) != space.layout.root:
+            raise StateError(
+                f"--etcd-prefix {record['prefix']} there, {text(space.layout.root)} here"
+            )
+        space.adopt_identity(record["node_id"], record["heartbeat_lease"])
+        ledger.orphans = record["orphans"]
+        ledger.shared_orphans = record["shared_orphans"]
+        ledger.expired = record["expired"]
+        ledger.timeouts = record["timeouts"]
+        ledger.sessions_lost = record["sessions_lost"]
+        restore_service_counters(self.service, record)
+
+    def _cluster_sessions(self, record: Record) -> None:
+        ledger, now = self.space.ledger, self.now
+        for row in record["rows"]:
+            session_id, peer, name, grace, connected, grace_left, lease, expires, revision = row
+            session = ClusterSession(session_id, raw(peer))
+            session.name = None if name is None else raw(name)
+            session.grace = grace
+            session.connected = connected
+            session.lease = lease
+            session.expires_at = math.inf if expires is None else now + expires
+            session.record_revision = revision
+            ledger.sessions[session_id] = session
+            if lease:
+                ledger.by_lease[lease] = session
+            if grace_left is not None:
+                ledger.sessions_in_grace += 1
+                session.grace_deadline = now + grace_left
+                ledger.schedule(session.grace_deadline, session)
+            self.sessions.append(session)
+
+    def _cluster_holds(self, record: Record) -> None:
+        ledger, now = self.space.ledger, self.now
+        for owner, kind, key, revision, token, age, ttl, lease_left in record["rows"]:
+            session = self.sessions[owner]
+            shared = KIND_OF[kind] == SHARED
+            hold = ClusterHold(session, raw(key), shared, revision, token, now - age)
+            hold.ttl = ttl
+            (session.shared if shared else session.exclusive)[hold.key] = hold
+            if lease_left is not None:
+                ledger.set_lease(hold, now + lease_left)
+            self.holds += 1
+
+    def _cluster_waits(self, record: Record) -> None:
+        space, now = self.space, self.now
+        for owner, kind, keys, revision, limit, ttl, left, waited in record["rows"]:
+            session = self.sessions[owner]
+            assert isinstance(session, ClusterSession)
+            kind_bytes = KIND_OF[kind]
+            names = [raw(k) for k in keys]
+            entries = [space.layout.entry(kind_bytes, k, session.lease) for k in names]
+            wait = ClusterWait(
+                session, kind_bytes, names, entries, revision, limit, ttl, now + left, now - waited
+            )
+            wait.suspended = True  # its connection's next task waits on for it
+            space.ledger.waits[session.id] = wait
+            session.pending.update(entries)  # not strays to the sweep meanwhile
+            self.waits.append(wait)
+
+    def _cluster_answers(self, record: Record) -> None:
+        for owner, *answer in record["rows"]:
+            self.answers[owner] = _answer(answer)
+
+    def _connections(self, record: Record) -> None:
+        self.records.extend(record["rows"])
+
+    def _end(self, record: Record) -> None:
+        self.ended = True
+
+    def _session(self, place: int) -> ClusterSession:
+        session = self.sessions[place]
+        assert isinstance(session, ClusterSession)
+        return session
+
+    def connections(self, transports: dict[int, Transport]) -> list[Parked]:
+        """The connections to serve on; the sessions of connections whose socket
+        could not move are disconnected once the node has joined (their frees and
+        record writes go to etcd)."""
+        if not self.ended:
+            raise StateError("the state ended early")
+        space = self.space
+        served, gone = rebuild_connections(
+            self.service,
+            self.records,
+            transports,
+            self.sessions,
+            lambda ref: space.later_for(self._session(ref), self.answers.get(ref)),
+        )
+        for session in gone:
+            assert isinstance(session, ClusterSession)
+            space.node.ended_at_join.append(session)
+        return served

@@ -1,0 +1,193 @@
+"""What every hand-over state has, whichever backend's tables it carries.
+
+The stream's framing (record kinds, batches, bytes as latin-1 text), the service's
+own counters and histograms, and the parked connections: each with its socket's
+place among the descriptors sent along, its session, its reader, its backlog of
+requests and the waiting request it still has to answer. The tables themselves are
+the backend's: :mod:`.state` for the in-memory engine, :mod:`.cluster_state` for a
+cluster node's books.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from elockd.backend import Later
+from elockd.framing import LineReader
+from elockd.pause import Backlog, Parked
+from elockd.protocol import WORD, Connection, Outcome, Service
+from elockd.sessions import Session
+from elockd.transport import Transport
+from elockd.word import WAIT_REPLIES
+
+#: What the stream is, and the versions of it this code reads and writes. A
+#: successor refuses any other version, and the old server then serves on.
+FORMAT = "elockd-state"
+VERSION = 1
+
+#: Rows per record: a record stays well under a megabyte even with long keys.
+BATCH = 2000
+#: Connections per record: each brings its socket, and one message carries at most
+#: 253 descriptors (SCM_MAX_FD).
+CONNECTIONS_BATCH = 250
+
+Record = dict[str, Any]
+
+
+class StateError(Exception):
+    """The stream is not a state this code can adopt (the message says why)."""
+
+
+def text(data: bytes) -> str:
+    return data.decode("latin-1")
+
+
+def raw(data: str) -> bytes:
+    return data.encode("latin-1")
+
+
+def batches(kind: str, rows: Iterator[list[Any]]) -> Iterator[Record]:
+    batch: list[list[Any]] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) >= BATCH:
+            yield {"t": kind, "rows": batch}
+            batch = []
+    if batch:
+        yield {"t": kind, "rows": batch}
+
+
+# ------------------------------------------------------------------ the service
+
+
+def service_counters(service: Service) -> Record:
+    """The fields of the first record that are the service's, not the backend's."""
+    counters, timings = service.counters, service.timings
+    return {
+        "commands": {text(verb): count for verb, count in counters.commands.items()},
+        "invalid_commands": counters.invalid_commands,
+        "handovers": counters.handovers,
+        "timings": {
+            kind: [[b.counts, b.sum] for b in buckets]
+            for kind, buckets in (("wait", timings.wait), ("hold", timings.hold))
+        },
+    }
+
+
+def restore_service_counters(service: Service, record: Record) -> None:
+    """The service's counters as the old process had them, with this hand-over counted."""
+    counters, timings = service.counters, service.timings
+    for verb, count in record["commands"].items():
+        if raw(verb) in counters.commands:
+            counters.commands[raw(verb)] = count
+    counters.invalid_commands = record["invalid_commands"]
+    counters.handovers = record["handovers"] + 1
+    for kind, buckets in (("wait", timings.wait), ("hold", timings.hold)):
+        for target, (counts, total) in zip(buckets, record["timings"][kind], strict=True):
+            if len(counts) != len(target.counts):
+                raise StateError(f"{kind} histogram has other buckets")
+            target.counts[:] = counts
+            target.sum = total
+
+
+# ---------------------------------------------------------------- connections
+
+
+@dataclass
+class ConnectionState:
+    """A parked connection as the state names it: ``fd`` is its place among the
+    sockets sent along, or None when its socket cannot move (TLS, WebSocket)."""
+
+    parked: Parked
+    fd: int | None
+
+
+#: The waiting request a connection (of the session given) still has to answer, as
+#: the backend's tables name it: its place in the backend's list of waits.
+PendingRef = Callable[[Outcome, Session], int]
+
+
+def connection_records(
+    service: Service,
+    connections: Sequence[ConnectionState],
+    session_index: dict[Session, int],
+    pending_ref: PendingRef,
+) -> Iterator[Record]:
+    """Every parked connection, a batch at a time, in the order of ``connections``
+    (each movable one's socket goes along with its batch)."""
+    named = {conn: place for place, conn in enumerate(service.named)}
+    finish_names: dict[object, str] = {finish: name for name, finish in WAIT_REPLIES.items()}
+    rows: list[Record] = []
+    for state in connections:
+        parked = state.parked
+        conn, backlog, reader = parked.conn, parked.backlog, parked.reader
+        pending = None
+        if backlog.pending is not None and conn is not None:
+            ref = pending_ref(backlog.pending, conn.session)
+            pending = [ref, finish_names[backlog.pending.finish]]
+        rows.append(
+            {
+                "fd": state.fd,
+                "session": None if conn is None else session_index[conn.session],
+                "peer": text(parked.peer),
+                "authenticated": conn is None or conn.authenticated,
+                "named": None if conn is None else named.get(conn),
+                "pending": pending,
+                "lines": [None if line is None else text(line) for line in backlog.remaining()],
+                "partial": text(bytes(reader._partial)),
+                "discarding": reader._discarding,
+                "read_ahead": text(getattr(parked.transport, "read_ahead", b"")),
+            }
+        )
+        if len(rows) == CONNECTIONS_BATCH:
+            yield {"t": "connections", "rows": rows}
+            rows = []
+    if rows:
+        yield {"t": "connections", "rows": rows}
+
+
+def rebuild_connections(
+    service: Service,
+    records: list[Record],
+    transports: dict[int, Transport],
+    sessions: list[Session],
+    pending_later: Callable[[int], Later[Any]],
+) -> tuple[list[Parked], list[Session]]:
+    """The connections to serve on, one per socket in ``transports`` (keyed by the
+    fd index of the state), and the sessions whose connection did not come (its
+    socket could not move): the caller disconnects those by their usual rules."""
+    served: list[Parked] = []
+    named: list[tuple[int, Connection]] = []
+    for record in records:
+        owner = record["session"]
+        fd = record["fd"]
+        if fd is None or fd not in transports:
+            continue
+        session = None if owner is None else sessions[owner]
+        peer = raw(record["peer"])
+        conn = None
+        backlog = Backlog(lines=[None if x is None else raw(x) for x in record["lines"]])
+        if session is not None:
+            conn = Connection(service, peer, session)
+            if record["authenticated"]:
+                conn.authenticate()
+            if record["named"] is not None:
+                named.append((record["named"], conn))
+            if record["pending"] is not None:
+                ref, reply = record["pending"]
+                backlog.pending = Outcome(pending_later(ref), WAIT_REPLIES[reply], WORD, peer)
+        reader = LineReader(service.config.max_line)
+        reader._partial = bytearray(raw(record["partial"]))
+        reader._discarding = record["discarding"]
+        transport = transports[fd]
+        transport.read_ahead = raw(record["read_ahead"])  # type: ignore[attr-defined]
+        served.append(Parked(conn, reader, transport, peer, backlog))
+    for _, conn in sorted(named, key=lambda pair: pair[0]):
+        service.named[conn] = None
+    # Sessions that were connected but came without a connection: treated as a
+    # connection that closed at the hand-over.
+    served_sessions = {id(p.conn.session) for p in served if p.conn is not None}
+    gone = [s for s in sessions if s.connected and id(s) not in served_sessions]
+    return served, gone

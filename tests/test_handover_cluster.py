@@ -1,0 +1,246 @@
+"""Zero-downtime upgrade of a cluster node (docs/upgrade.md): the locks stay in
+etcd, and the successor takes over the listeners, the connections, the node's
+identity and its sessions' leases, against real processes and a real etcd."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
+from tests.conftest import LineClient
+from tests.server_process import start_server, stop_server
+from tests.test_handover import FAKE_SUCCESSOR, ask, connect, wait_exit
+
+pytestmark = pytest.mark.cluster
+
+
+def node_flags(nodes: Nodes) -> tuple[str, ...]:
+    """The flags every node of the test's cluster runs with (the successor too)."""
+    return (
+        "--etcd",
+        ",".join(nodes.etcd.endpoints),
+        "--etcd-prefix",
+        nodes.prefix,
+        "--session-ttl",
+        str(TEST_SESSION_TTL),
+    )
+
+
+@contextmanager
+def node_process(
+    nodes: Nodes, *args: str, log: list[str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    process, port = start_server(*node_flags(nodes), *args, log=log)
+    try:
+        yield process, port
+    finally:
+        stop_server(process)
+
+
+async def counters(client: LineClient) -> dict[bytes, bytes]:
+    await client.send(b"q\n")
+    found = {}
+    while (line := await client.line()) != b"END\r\n":
+        name, _, value = line.strip().partition(b": ")
+        found[name] = value
+    return found
+
+
+async def test_a_successor_node_takes_every_connection_and_session_over(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """The issue's "done when" on a cluster node: holds, two queued waiters in FIFO
+    order, a lease with its token, a name, a client looping through the hand-over,
+    new connections; the old exits 0, and another node sees the locks held
+    throughout. Longer than the session TTL, so the successor must keep the
+    sessions' leases alive."""
+    control = tmp_path / "control.sock"
+    old_log: list[str] = []
+    other = nodes.start()
+    with node_process(nodes, "--control-socket", str(control), log=old_log) as (old, port):
+        holder, first, second, leaser, named, looper = [await connect(port) for _ in range(6)]
+        watcher = await other.connect()
+        assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
+        assert await ask(named, b"iam nightly-backup") == b"1 ok\r\n"
+        assert await ask(named, b"lock job") == b"200 Acquired\r\n"
+        assert await ask(leaser, b"lock lease ttl=30") == b"200 Acquired\r\n"
+        token_before = await ask(leaser, b"token lease")
+        await first.send(b"lock k1 30\n")
+        with trio.fail_after(5):
+            while (await counters(watcher))[b"waiting"] != b"1":
+                await trio.sleep(0.02)
+        await second.send(b"lock k1 30\n")
+        with trio.fail_after(5):
+            while (await counters(watcher))[b"waiting"] != b"2":
+                await trio.sleep(0.02)
+        errors: list[bytes] = []
+        rounds = 0
+        stop = trio.Event()
+
+        async def loop() -> None:
+            nonlocal rounds
+            while not stop.is_set():
+                for line, good in (
+                    (b"g loop", b"1 Got Lock\r\n"),
+                    (b"r loop", b"1 Released Lock\r\n"),
+                ):
+                    reply = await ask(looper, line)
+                    if reply != good:
+                        errors.append(reply)
+                rounds += 1
+
+        new_log: list[str] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(loop)
+            await trio.sleep(0.2)
+            started = trio.current_time()
+            new, _ = await trio.to_thread.run_sync(
+                lambda: start_server(*node_flags(nodes), "--take-over", str(control), log=new_log)
+            )
+            try:
+                assert await wait_exit(old, 10) == 0
+                took = trio.current_time() - started
+                before = rounds
+                # Past two session TTLs: only the successor keeps the leases alive.
+                await trio.sleep(2.5 * TEST_SESSION_TTL)
+                stop.set()
+            except BaseException:
+                stop_server(new)
+                raise
+        try:
+            assert errors == [] and rounds > before, (errors, rounds, before)
+            assert took < 5, f"the hand-over took {took:.2f} s"
+            # Every lock is still held, as the other node sees it too.
+            assert await ask(watcher, b"g k1") == b"0 Cannot Get Lock\r\n"
+            assert await ask(watcher, b"g job") == b"0 Cannot Get Lock\r\n"
+            assert await ask(holder, b"i k1") == b"1 Locked\r\n"
+            assert await ask(leaser, b"token lease") == token_before
+            assert await ask(leaser, b"renew lease ttl=60") == b"200 Renewed\r\n"
+            assert b"exclusive=nightly-backup" in await ask(named, b"info job")
+            # The waiters are granted in their order when the holder releases.
+            assert await ask(holder, b"r k1") == b"1 Released Lock\r\n"
+            with trio.fail_after(5):
+                assert await first.line() == b"200 Acquired\r\n"
+            assert await ask(first, b"unlock k1") == b"200 Unlocked\r\n"
+            with trio.fail_after(5):
+                assert await second.line() == b"200 Acquired\r\n"
+            # New connections are served by the new process, which counted it all.
+            fresh = await connect(port)
+            found = await counters(fresh)
+            assert found[b"handovers"] == b"1"
+            assert found[b"sessions_lost"] == b"0"
+            assert any("handed over" in line for line in old_log), old_log
+            assert any("took over from pid" in line for line in new_log), new_log
+            # A client that leaves still frees its locks at once.
+            await holder.stream.aclose()
+            await second.stream.aclose()
+            with trio.fail_after(5):
+                while await ask(watcher, b"g k1") != b"1 Got Lock\r\n":
+                    await trio.sleep(0.05)
+        finally:
+            stop_server(new)
+
+
+@pytest.mark.parametrize("how", ["vanish-after-state", "never-ready"])
+async def test_a_failed_successor_leaves_the_node_serving_with_every_wait_in_place(
+    nodes: Nodes, tmp_path: Path, how: str
+) -> None:
+    """The old node thaws: its waiters keep their place in etcd's queues and are
+    granted in order, and its holds and sessions carry on."""
+    control = tmp_path / "control.sock"
+    log: list[str] = []
+    with node_process(
+        nodes, "--control-socket", str(control), "--handover-timeout", "1", log=log
+    ) as (old, port):
+        holder, first, second = [await connect(port) for _ in range(3)]
+        assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
+        await first.send(b"lock k1 30\n")
+        with trio.fail_after(5):
+            while (await counters(holder))[b"waiting"] != b"1":
+                await trio.sleep(0.02)
+        await second.send(b"lock k1 30\n")
+        with trio.fail_after(5):
+            while (await counters(holder))[b"waiting"] != b"2":
+                await trio.sleep(0.02)
+        fake = await trio.lowlevel.open_process(
+            [sys.executable, FAKE_SUCCESSOR, str(control), how], stdout=subprocess.PIPE
+        )
+        assert fake.stdout is not None
+        output = b""
+        with trio.fail_after(10):
+            if how == "never-ready":
+                while b"state received" not in output:
+                    output += await fake.stdout.receive_some()
+                # A request behind the wait, sent while the node is paused: the wait's
+                # task ends, the wait stays, and the node waits on for it after.
+                await first.send(b"ping\n")
+            while chunk := await fake.stdout.receive_some():
+                output += chunk
+            assert await fake.wait() == 0, output
+        assert old.poll() is None
+        assert any("hand-over failed" in line for line in log), log
+        assert await ask(holder, b"r k1") == b"1 Released Lock\r\n"
+        with trio.fail_after(5):
+            assert await first.line() == b"200 Acquired\r\n"
+        if how == "never-ready":
+            assert await first.line() == b"200 PONG\r\n"
+        assert await ask(first, b"unlock k1") == b"200 Unlocked\r\n"
+        with trio.fail_after(5):
+            assert await second.line() == b"200 Acquired\r\n"
+        assert (await counters(holder))[b"sessions_lost"] == b"0"
+
+
+async def test_a_handed_over_node_session_can_be_taken_back_by_conn_id(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """A word session in grace after the hand-over is taken back with conn_id on the
+    successor: its record's revision (the guard of every free) came along."""
+    control = tmp_path / "control.sock"
+    with node_process(nodes, "--control-socket", str(control)) as (old, port):
+        worker = await connect(port)
+        assert await ask(worker, b"set_timeout 30000") == b"200 timeout set\r\n"
+        assert await ask(worker, b"lock nightly") == b"200 Acquired\r\n"
+        session_id = (await ask(worker, b"conn_id"))[4:].strip()
+        new, _ = await trio.to_thread.run_sync(
+            lambda: start_server(*node_flags(nodes), "--take-over", str(control))
+        )
+        try:
+            assert await wait_exit(old, 10) == 0
+            assert await ask(worker, b"ping") == b"200 PONG\r\n"  # the same connection
+            await worker.stream.aclose()  # a network blip
+            back = await connect(port)
+            with trio.fail_after(5):
+                while (
+                    reply := await ask(back, b"conn_id " + session_id)
+                ) != b"200 conn id set\r\n":
+                    assert reply == b"403 cannot set conn id\r\n"  # not noticed the close yet
+                    await trio.sleep(0.05)
+            assert await ask(back, b"unlock nightly") == b"200 Unlocked\r\n"
+            assert await ask(back, b"lock nightly") == b"200 Acquired\r\n"
+        finally:
+            stop_server(new)
+
+
+async def test_a_successor_without_etcd_is_refused_by_a_node(nodes: Nodes, tmp_path: Path) -> None:
+    """Tables of one backend cannot become another's: the successor says why and
+    exits, and the node serves on."""
+    control = tmp_path / "control.sock"
+    with node_process(nodes, "--control-socket", str(control)) as (old, port):
+        holder = await connect(port)
+        assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
+        result = await trio.run_process(
+            [sys.executable, "-m", "elockd", "--take-over", str(control)],
+            capture_stderr=True,
+            check=False,
+        )
+        assert result.returncode != 0
+        assert b"--etcd" in result.stderr, result.stderr
+        assert old.poll() is None
+        assert await ask(holder, b"i k1") == b"1 Locked\r\n"
