@@ -348,19 +348,3 @@ async def test_the_pause_with_a_thousand_connections_stays_under_100_ms(tmp_path
     print(f"probe worst {probe.worst * 1000:.1f} ms over {probe.count} round trips")
     print("".join(line for line in old_log + new_log if "took over" in line or "PHASE" in line))
     assert probe.worst < 0.1, probe.worst
-
-
-@pytest.mark.parametrize("flag", ["--take-over", "--control-socket"])
-def test_a_cluster_node_refuses_hand_over_flags_in_one_line(tmp_path: Path, flag: str) -> None:
-    """Not built for --etcd yet (docs/upgrade.md): refused at start-up, by name."""
-    done = subprocess.run(
-        [sys.executable, "-m", "elockd", "--etcd", "http://127.0.0.1:1", flag, str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode != 0
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"elockd: {flag} {tmp_path / 'c'}: not with --etcd yet (docs/upgrade.md)"
-    )
-    assert "Traceback" not in done.stderr
