@@ -90,6 +90,11 @@ class EtcdCalls:
             self._idle = trio.Event()
             await self._idle.wait()
 
+    def _one_less(self) -> None:
+        self._busy -= 1
+        if not self._busy:
+            self._idle.set()
+
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
         """A waiting request's etcd work, which :meth:`settled` waits for and
@@ -101,11 +106,9 @@ class EtcdCalls:
             try:
                 yield
             finally:
-                self._busy -= 1
                 self._working.discard(scope)
                 _working_scope.reset(token)
-                if not self._busy:
-                    self._idle.set()
+                self._one_less()
 
     @contextlib.contextmanager
     def resting(self) -> Iterator[None]:
@@ -115,11 +118,9 @@ class EtcdCalls:
         if scope is None:
             yield
             return
-        self._busy -= 1
         self._working.discard(scope)
         scope.shield = False
-        if not self._busy:
-            self._idle.set()
+        self._one_less()
         try:
             yield
         finally:
@@ -174,9 +175,7 @@ class EtcdCalls:
             except (EtcdUnavailable, EtcdError, BackendUnavailable) as error:
                 self.unavailable(f"{what}: {error}")
             finally:
-                self._busy -= 1
-                if not self._busy:
-                    self._idle.set()
+                self._one_less()
 
         with contextlib.suppress(RuntimeError):  # "Nursery is closed to new arrivals"
             nursery.start_soon(run)

@@ -163,20 +163,23 @@ class ClusterNode:
         period = self.session_ttl / 3
         while True:
             await trio.sleep(period)
-            now = trio.current_time()
-            for session in list(self.ledger.sessions.values()):
-                if self.calls.frozen:
-                    break  # a hand-over copies the books; whoever serves on checks
-                if session.lease and not session.lost and now > session.expires_at:
-                    # etcd may have expired the lease: its holds are no longer this
-                    # node's to promise. Fail closed.
-                    self.ownership.lose(session, "etcd was not reached for a whole session TTL")
+            # While a hand-over copies the books, only the keepalives go out: whoever
+            # serves on judges the sessions and sweeps.
+            if not self.calls.frozen:
+                self._fail_unreachable_sessions(trio.current_time())
             async with trio.open_nursery() as nursery:
                 for session in list(self.ledger.sessions.values()):
                     if session.lease and not session.lost:
                         nursery.start_soon(self._keep_session_alive, session)
             if not self.calls.frozen:
                 await self._sweep()
+
+    def _fail_unreachable_sessions(self, now: float) -> None:
+        for session in list(self.ledger.sessions.values()):
+            if session.lease and not session.lost and now > session.expires_at:
+                # etcd may have expired the lease: its holds are no longer this
+                # node's to promise. Fail closed.
+                self.ownership.lose(session, "etcd was not reached for a whole session TTL")
 
     async def _heartbeat(self) -> None:
         """The node's own lease, renewed in a loop of its own (a slow session

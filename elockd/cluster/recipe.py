@@ -281,7 +281,6 @@ class LockRecipe:
         ledger.waits[session.id] = state
         ledger.local_waiting += 1
         self.mirror.add_waiter(waiter)
-        kept = False
         try:
             with calls.resting():
                 while True:

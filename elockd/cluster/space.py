@@ -84,13 +84,12 @@ class _InLedger(Generic[T]):
 
 
 class WaitingRequest(Later[Grant]):
-    """A waiting request of ``session``, with its answer once it has one."""
+    """A waiting request, with its answer once it has one (see ``_waiting``)."""
 
-    __slots__ = ("answer", "session")
+    __slots__ = ("answer",)
 
-    def __init__(self, run: Callable[[], Awaitable[Grant]], session: ClusterSession) -> None:
+    def __init__(self, run: Callable[[], Awaitable[Grant]]) -> None:
         super().__init__(run, waits=True)
-        self.session = session
         self.answer: ClusterAnswer | None = None
 
 
@@ -263,7 +262,7 @@ class ClusterLockSpace:
                 request.answer = ClusterAnswer(grant)
             return grant
 
-        request = WaitingRequest(run, session)
+        request = WaitingRequest(run)
         return request
 
     def later_for(
