@@ -26,6 +26,7 @@ from elockd.handover.records import (
     ConnectionState,
     Record,
     StateError,
+    StateReader,
     batches,
     connection_records,
     raw,
@@ -33,6 +34,7 @@ from elockd.handover.records import (
     restore_service_counters,
     service_counters,
     text,
+    time_left,
 )
 from elockd.pause import Parked
 from elockd.protocol import Outcome, Service
@@ -41,10 +43,6 @@ from elockd.transport import Transport
 
 KINDS = {EXCLUSIVE: "x", SHARED: "s"}
 KIND_OF = {name: kind for kind, name in KINDS.items()}
-
-
-def _left(deadline: float | None, now: float) -> float | None:
-    return None if deadline is None or deadline == math.inf else deadline - now
 
 
 def dump_cluster(
@@ -81,9 +79,9 @@ def dump_cluster(
                 None if session.name is None else text(session.name),
                 session.grace,
                 session.connected,
-                _left(session.grace_deadline, now),
+                time_left(session.grace_deadline, now),
                 session.lease,
-                _left(session.expires_at, now),
+                time_left(session.expires_at, now),
                 session.record_revision,
             ]
 
@@ -100,7 +98,7 @@ def dump_cluster(
                     hold.token,
                     now - hold.granted_at,
                     hold.ttl,
-                    _left(hold.lease_deadline, now),
+                    time_left(hold.lease_deadline, now),
                 ]
 
     yield from batches("cluster_holds", hold_rows())
@@ -169,7 +167,7 @@ def _answer(row: list[Any]) -> ClusterAnswer:
     return ClusterAnswer(Grant(granted, count, [raw(k) for k in blocked]))
 
 
-class ClusterRestorer:
+class ClusterRestorer(StateReader):
     """Rebuilds a predecessor's books into a fresh cluster node, record by record
     (:meth:`feed`); :meth:`connections` then gives the connections to serve."""
 
@@ -179,22 +177,11 @@ class ClusterRestorer:
             raise StateError("this elockd is not a cluster node (--etcd)")
         if space.ledger.sessions:
             raise StateError("the backend already has sessions")
-        self.service = service
+        super().__init__(service, now)
         self.space = space
-        self.now = now
         self.sessions: list[Session] = []
-        self.waits: list[ClusterWait] = []
-        self.records: list[Record] = []
         self.answers: dict[int, ClusterAnswer] = {}  # by session place
         self.holds = 0
-        self.ended = False
-
-    def feed(self, record: Record) -> None:
-        kind = record.get("t")
-        handler = getattr(self, f"_{kind}", None)
-        if handler is None or self.ended:
-            raise StateError(f"unexpected record {kind!r}")
-        handler(record)
 
     def _node(self, record: Record) -> None:
         space, ledger = self.space, self.space.ledger
@@ -256,17 +243,10 @@ class ClusterRestorer:
             wait.suspended = True  # its connection's next task waits on for it
             space.ledger.waits[session.id] = wait
             session.pending.update(entries)  # not strays to the sweep meanwhile
-            self.waits.append(wait)
 
     def _cluster_answers(self, record: Record) -> None:
         for owner, *answer in record["rows"]:
             self.answers[owner] = _answer(answer)
-
-    def _connections(self, record: Record) -> None:
-        self.records.extend(record["rows"])
-
-    def _end(self, record: Record) -> None:
-        self.ended = True
 
     def _session(self, place: int) -> ClusterSession:
         session = self.sessions[place]
@@ -291,3 +271,6 @@ class ClusterRestorer:
             assert isinstance(session, ClusterSession)
             space.node.ended_at_join.append(session)
         return served
+
+    def counts(self) -> tuple[int, int]:
+        return len(self.sessions), self.holds

@@ -28,12 +28,19 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
-from elockd.handover.records import FORMAT, VERSION, ConnectionState, StateError
+from elockd.handover.records import (
+    FORMAT,
+    VERSION,
+    ConnectionState,
+    Dump,
+    StateError,
+    StateReader,
+)
 from elockd.handover.state import Restorer, dump_state
 from elockd.memory import MemoryBackend
 from elockd.pause import Parked
@@ -41,9 +48,6 @@ from elockd.protocol import Service
 from elockd.startup import StartupError
 from elockd.transport import Closer, SocketTransport
 from elockd.unix_socket import open_unix_socket
-
-if TYPE_CHECKING:
-    from elockd.handover.cluster_state import ClusterRestorer
 
 log = logging.getLogger("elockd")
 
@@ -211,11 +215,7 @@ class Giver:
                 connections.append(ConnectionState(parked, None))
         now = trio.current_time()
         sent = 0
-        dump = dump_state
-        if backend_kind(self.service) == "etcd":
-            from elockd.handover.cluster_state import dump_cluster  # only a node loads etcd
-
-            dump = dump_cluster
+        dump, _ = tables(backend_kind(self.service))
         for record in dump(self.service, connections, now):
             fds = []
             if record["t"] == "connections":
@@ -232,6 +232,15 @@ class Giver:
 def backend_kind(service: Service) -> str:
     """Which tables a state carries: a successor must run the same backend."""
     return "memory" if isinstance(service.backend, MemoryBackend) else "etcd"
+
+
+def tables(kind: str) -> tuple[Dump, Callable[[Service, float], StateReader]]:
+    """How the tables of a backend kind are written and read back."""
+    if kind == "etcd":
+        from elockd.handover.cluster_state import ClusterRestorer, dump_cluster  # only a node
+
+        return dump_cluster, ClusterRestorer
+    return dump_state, Restorer
 
 
 async def _try_send(channel: Channel, message: dict[str, Any]) -> None:
@@ -316,17 +325,13 @@ async def _receive_everything(
         listeners = _listeners(header["listeners"], fds, service)
         theirs, ours = header.get("backend", "memory"), backend_kind(service)
         if theirs != ours:
-            flag = "without --etcd" if ours == "etcd" else "with --etcd"
-            raise StateError(f"the old process runs {flag} ({theirs} backend), this one not")
+            how = {"etcd": "with --etcd", "memory": "without --etcd"}
+            raise StateError(
+                f"the old process runs {how.get(theirs, theirs)}, this one {how[ours]}"
+            )
         elapsed = time.monotonic() - float(header["dumped_at"])
-        now = trio.current_time() - elapsed
-        restorer: Restorer | ClusterRestorer
-        if ours == "etcd":
-            from elockd.handover.cluster_state import ClusterRestorer  # only a node loads etcd
-
-            restorer = ClusterRestorer(service, now)
-        else:
-            restorer = Restorer(service, now)
+        _, reader = tables(ours)
+        restorer = reader(service, trio.current_time() - elapsed)
         transports: dict[int, SocketTransport] = {}
         send_timeout = service.config.send_timeout
         while not restorer.ended:
@@ -354,11 +359,7 @@ async def _receive_everything(
         decision = {"t": "go"}  # the old process is gone after ready: it never serves again
     if decision.get("t") != "go":
         raise StartupError(f"--take-over {path}: the old process aborted: {decision.get('why')}")
-    if not isinstance(restorer, Restorer):
-        sessions, holds = len(restorer.sessions), restorer.holds
-    else:
-        engine = service.backend
-        sessions, holds = len(engine.sessions), len(engine.exclusive) + engine.shared_holders
+    sessions, holds = restorer.counts()
     return TakenOver(
         listeners,
         connections,

@@ -10,9 +10,10 @@ cluster node's books.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from elockd.backend import Later
 from elockd.framing import LineReader
@@ -48,6 +49,11 @@ def raw(data: str) -> bytes:
     return data.encode("latin-1")
 
 
+def time_left(deadline: float | None, now: float) -> float | None:
+    """A deadline as a duration: each process has its own clock (None: no deadline)."""
+    return None if deadline is None or deadline == math.inf else deadline - now
+
+
 def batches(kind: str, rows: Iterator[list[Any]]) -> Iterator[Record]:
     batch: list[list[Any]] = []
     for row in rows:
@@ -57,6 +63,48 @@ def batches(kind: str, rows: Iterator[list[Any]]) -> Iterator[Record]:
             batch = []
     if batch:
         yield {"t": kind, "rows": batch}
+
+
+class StateReader:
+    """What reads a state, record by record, whichever backend's tables it rebuilds:
+    :meth:`feed` hands each record to the method named after its kind (``_sessions``
+    for ``{"t": "sessions"}``); the connection records are kept for
+    :meth:`connections`, which the backend's reader defines."""
+
+    def __init__(self, service: Service, now: float) -> None:
+        self.service = service
+        self.now = now
+        self.records: list[Record] = []  # the connection records, for connections()
+        self.ended = False
+
+    def feed(self, record: Record) -> None:
+        kind = record.get("t")
+        handler = getattr(self, f"_{kind}", None)
+        if handler is None or self.ended:
+            raise StateError(f"unexpected record {kind!r}")
+        handler(record)
+
+    def _connections(self, record: Record) -> None:
+        self.records.extend(record["rows"])
+
+    def _end(self, record: Record) -> None:
+        self.ended = True
+
+    def connections(self, transports: dict[int, Transport]) -> list[Parked]:
+        """The connections to serve on, one per socket in ``transports``."""
+        raise NotImplementedError
+
+    def counts(self) -> tuple[int, int]:
+        """Sessions and holds taken over, for the log line."""
+        raise NotImplementedError
+
+
+class Dump(Protocol):
+    """Writes a backend's whole state, in the order its :class:`StateReader` reads."""
+
+    def __call__(
+        self, service: Service, connections: list[ConnectionState], now: float
+    ) -> Iterator[Record]: ...
 
 
 # ------------------------------------------------------------------ the service

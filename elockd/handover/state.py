@@ -30,6 +30,7 @@ from elockd.handover.records import (
     ConnectionState,
     Record,
     StateError,
+    StateReader,
     batches,
     connection_records,
     raw,
@@ -37,6 +38,7 @@ from elockd.handover.records import (
     restore_service_counters,
     service_counters,
     text,
+    time_left,
 )
 from elockd.memory import MemoryBackend
 from elockd.pause import Parked
@@ -48,10 +50,6 @@ __all__ = ["FORMAT", "VERSION", "ConnectionState", "Restorer", "StateError", "du
 
 #: Holds per record (column by column, see _holds).
 HOLDS_BATCH = 5000
-
-
-def _left(deadline: float | None, now: float) -> float | None:
-    return None if deadline is None or deadline == math.inf else deadline - now
 
 
 Deadlined = Hold | Session | Waiter
@@ -126,7 +124,7 @@ def dump_state(
                 None if session.name is None else text(session.name),
                 session.grace,
                 session.connected,
-                _left(session.grace_deadline, now),
+                time_left(session.grace_deadline, now),
                 order.get(session),
             ]
 
@@ -165,7 +163,7 @@ def dump_state(
                 w.limit,
                 w.ttl,
                 now - w.since,
-                _left(w.deadline, now) if w.state == WAITING else None,
+                time_left(w.deadline, now) if w.state == WAITING else None,
                 [text(k) for k in w.taken],
                 w.missing,
                 w.count,
@@ -195,7 +193,7 @@ def dump_state(
     yield {"t": "end"}
 
 
-class Restorer:
+class Restorer(StateReader):
     """Rebuilds the state into a fresh service's in-memory backend, record by record.
 
     :meth:`feed` each record in order; :meth:`connections` then gives the
@@ -207,22 +205,12 @@ class Restorer:
             raise StateError("only the in-memory backend takes a state over")
         if engine.sessions:
             raise StateError("the backend already has sessions")
-        self.service = service
+        super().__init__(service, now)
         self.engine = engine
-        self.now = now
         self.sessions: list[Session] = []
         self.waiters: list[Waiter] = []
         # (order, deadline, target): set once every table is in, in the old order.
         self.deadlines: list[tuple[int | None, float, Deadlined]] = []
-        self.records: list[Record] = []  # the connection records, for connections()
-        self.ended = False
-
-    def feed(self, record: Record) -> None:
-        kind = record.get("t")
-        handler = getattr(self, f"_{kind}", None)
-        if handler is None or self.ended:
-            raise StateError(f"unexpected record {kind!r}")
-        handler(record)
 
     # Each record kind, in stream order.
 
@@ -350,12 +338,6 @@ class Restorer:
         if self.engine._ending and self.engine.on_new_deadline is not None:
             self.engine.on_new_deadline()
 
-    def _connections(self, record: Record) -> None:
-        self.records.extend(record["rows"])
-
-    def _end(self, record: Record) -> None:
-        self.ended = True
-
     # ------------------------------------------------------------------ the end
 
     def connections(self, transports: dict[int, Transport]) -> list[Parked]:
@@ -375,3 +357,7 @@ class Restorer:
         for session in gone:
             engine.disconnect(session, self.now)
         return served
+
+    def counts(self) -> tuple[int, int]:
+        engine = self.engine
+        return len(engine.sessions), len(engine.exclusive) + engine.shared_holders
