@@ -50,6 +50,7 @@ from bench.run import (
     free_port,
     memory_kib,
     percentile,
+    q_counters,
     queued_seconds,
     raise_file_limit,
     running,
@@ -246,20 +247,6 @@ def etcd_samples(url: str) -> dict[str, float]:
     return values
 
 
-def node_counters(port: int) -> dict[str, int]:
-    """The node's ``q`` counters, from a connection of its own."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(b"q\n")
-        data = b""
-        while b"END\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise RuntimeError(f"node on port {port} closed the q connection")
-            data += chunk
-    pairs = (line.split(b": ", 1) for line in data.split(b"\r\n") if b": " in line)
-    return {name.decode(): int(value) for name, value in pairs}
-
-
 def still_locked(port: int, keys: list[int], timeout: float = 30) -> collections.Counter[str]:
     """``i burst:K`` for each of ``keys``, pipelined on one fresh connection, replies
     counted by text: ``1 Locked`` while its burst session still holds the key."""
@@ -396,7 +383,7 @@ def scale_rows(ttl: int, count: int, wait: float, idle: float) -> None:
                 for name, metric in LEADER_RATES.items()
                 if metric in before and metric in after
             },
-            counters=node_counters(port),
+            counters=q_counters(port),
             sample=sample,
             locked=still_locked(port, sample),
             rss_kib=memory_kib(node.pid),

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elockd.client import BlockingClient
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "bench" / ".build"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -282,6 +284,15 @@ def request_all(sockets: list[socket.socket], payloads: list[bytes], per_socket:
                     raise RuntimeError(f"refused during setup: {line!r}")
 
 
+def q_counters(port: int) -> dict[str, int]:
+    """The server's ``q`` counters by name, over a connection of their own, read by
+    the project's client as ``elockctl q`` reads them."""
+    with BlockingClient("127.0.0.1", port, reply_timeout=30) as client:
+        lines = client.command(b"q", check=True)
+    pairs = (line.decode().partition(": ") for line in lines)
+    return {name: int(value) for name, _, value in pairs}
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -382,13 +393,8 @@ def waiters_and_leases(port: int, waiters: int, leases: int) -> Iterator[None]:
         ],
         per_owner,
     )
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as check:
-        check.sendall(b"q\n")
-        stats = b""
-        while b"END\r\n" not in stats:
-            stats += check.recv(65536)
-    values = dict(line.split(b": ") for line in stats.split(b"\r\n") if b": " in line)
-    if int(values[b"waiting"]) != waiters or int(values[b"leases"]) != per_owner * len(owners):
+    values = q_counters(port)
+    if values["waiting"] != waiters or values["leases"] != per_owner * len(owners):
         raise RuntimeError(f"setup incomplete: {values}")
     try:
         yield
