@@ -37,16 +37,17 @@ import selectors
 import socket
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.run import (
+    COMMITS,
     box_busy_seconds,
     cpu_seconds,
     etcd_node_command,
+    etcd_samples,
     free_port,
     memory_kib,
     percentile,
@@ -69,7 +70,7 @@ SETTLE = 2.0
 #: etcd's own rates in the idle row, from the leader's /metrics: raft commits, WAL
 #: fsyncs (fewer than commits when etcd batches) and lease keepalives it served.
 LEADER_RATES = {
-    "commits": "etcd_server_proposals_committed_total",
+    "commits": COMMITS,
     "fsyncs": "etcd_disk_wal_fsync_duration_seconds_count",
     "renewals": "etcd_debugging_lease_renewed_total",
 }
@@ -232,19 +233,6 @@ class Burst:
 
 
 # ------------------------------------------------------------ what to read
-
-
-def etcd_samples(url: str) -> dict[str, float]:
-    """Every unlabelled sample of an etcd member's /metrics (counters, gauges and the
-    ``_count`` of histograms), so one scrape serves every rate of a window."""
-    values: dict[str, float] = {}
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, _, value = line.partition(" ")
-                with contextlib.suppress(ValueError):
-                    values[name] = float(value)
-    return values
 
 
 def still_locked(port: int, keys: list[int], timeout: float = 30) -> collections.Counter[str]:

@@ -63,6 +63,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "bench" / ".build"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SERVER_CORE, LOADGEN_CORE = "0", "1"
+#: etcd's raft commits: its own write rate, in the load rows' notes and the idle row.
+COMMITS = "etcd_server_proposals_committed_total"
 
 
 # ---------------------------------------------------------------- processes
@@ -702,13 +704,25 @@ def queued_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def etcd_metric(url: str, name: str) -> float:
-    """One unlabelled counter from an etcd member's /metrics."""
+def etcd_samples(url: str) -> dict[str, float]:
+    """Every unlabelled sample of an etcd member's /metrics (counters, gauges and the
+    ``_count`` of histograms), so one scrape serves every rate of a window."""
+    values: dict[str, float] = {}
     with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
         for line in response.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise RuntimeError(f"{name} not in {url}/metrics")
+            if line and not line.startswith("#") and "{" not in line:
+                name, _, value = line.partition(" ")
+                with contextlib.suppress(ValueError):
+                    values[name] = float(value)
+    return values
+
+
+def etcd_metric(url: str, name: str) -> float:
+    """One unlabelled counter from an etcd member's /metrics."""
+    value = etcd_samples(url).get(name)
+    if value is None:
+        raise RuntimeError(f"{name} not in {url}/metrics")
+    return value
 
 
 def process_counters(name: str, pid: int) -> dict[str, Callable[[], float]]:
@@ -793,9 +807,7 @@ def etcd_rows(
             "client": time.process_time,
             "box": box_busy_seconds,
             "etcd": lambda: sum(cpu_seconds(pid) for pid in members),
-            "commits": lambda: etcd_metric(
-                cluster.endpoints[0], "etcd_server_proposals_committed_total"
-            ),
+            "commits": lambda: etcd_metric(cluster.endpoints[0], COMMITS),
         }
         one = {**common, **process_counters("node1", nodes[0].pid)}
         both = {**one, **process_counters("node2", nodes[1].pid)}
