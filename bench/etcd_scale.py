@@ -51,8 +51,8 @@ from bench.run import (
     free_port,
     memory_kib,
     percentile,
+    process_counters,
     q_counters,
-    queued_seconds,
     raise_file_limit,
     running,
 )
@@ -341,8 +341,7 @@ def scale_rows(ttl: int, count: int, wait: float, idle: float) -> None:
         leader = cluster.leader()
         pids = {name: m.process.pid for name, m in cluster.members.items() if m.process}
         cpu: dict[str, Callable[[], float]] = {
-            "node": lambda: cpu_seconds(node.pid),
-            "node queued": lambda: queued_seconds(node.pid),
+            **process_counters("node", node.pid),
             "leader": lambda: cpu_seconds(pids[leader]),
             "etcd": lambda: sum(cpu_seconds(pid) for pid in pids.values()),
             "script": time.process_time,
