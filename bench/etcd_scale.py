@@ -38,12 +38,13 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.run import (
     COMMITS,
+    Window,
     box_busy_seconds,
     cpu_seconds,
     etcd_node_command,
@@ -293,32 +294,6 @@ def counted(counts: collections.Counter[str], kinds: tuple[str, ...] = ()) -> st
 
 
 # ----------------------------------------------------------------- the rows
-
-
-@dataclass
-class Window:
-    """Counters sampled at both ends of a window; ``rate`` is growth per second."""
-
-    counters: dict[str, Callable[[], float]]
-    before: dict[str, float] = field(default_factory=dict)
-    after: dict[str, float] = field(default_factory=dict)
-    started: float = 0.0
-    seconds: float = 0.0
-
-    def __enter__(self) -> Window:
-        self.before = {name: counter() for name, counter in self.counters.items()}
-        self.started = time.monotonic()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.after = {name: counter() for name, counter in self.counters.items()}
-        self.seconds = time.monotonic() - self.started
-
-    def grown(self, name: str) -> float:
-        return self.after[name] - self.before[name]
-
-    def rate(self, name: str) -> float:
-        return self.grown(name) / self.seconds
 
 
 def scale_rows(ttl: int, count: int, wait: float, idle: float) -> None:

@@ -607,6 +607,37 @@ class LoopResult:
         return percentile(self.latencies, fraction) * 1000 if self.latencies else float("nan")
 
 
+@dataclass
+class Window:
+    """Counters sampled at both ends of a ``with`` block: one place that turns
+    "how much did each grow while this ran" into totals and rates."""
+
+    counters: dict[str, Callable[[], float]]
+    before: dict[str, float] = field(default_factory=dict)
+    after: dict[str, float] = field(default_factory=dict)
+    started: float = 0.0
+    ended: float = 0.0
+
+    def __enter__(self) -> Window:
+        self.before = {name: counter() for name, counter in self.counters.items()}
+        self.started = time.monotonic()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.after = {name: counter() for name, counter in self.counters.items()}
+        self.ended = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+    def grown(self, name: str) -> float:
+        return self.after[name] - self.before[name]
+
+    def rate(self, name: str) -> float:
+        return self.grown(name) / self.seconds
+
+
 def run_loops(
     connects: list[Callable[[], Client]],
     seconds: float,
@@ -627,9 +658,6 @@ def run_loops(
     for thread in threads:
         thread.start()
 
-    def sample() -> dict[str, float]:
-        return {name: counter() for name, counter in counters.items()}
-
     try:
         ready.wait()
     except threading.BrokenBarrierError:
@@ -638,24 +666,23 @@ def run_loops(
             thread.join(30)
         errors = [error for tally in tallies for error in tally.errors]
         raise RuntimeError(f"clients failed to start: {errors[:5]}") from None
-    before, started = sample(), time.monotonic()
-    time.sleep(seconds)
-    after, ended = sample(), time.monotonic()
+    with Window(counters) as window:
+        time.sleep(seconds)
     stop.set()
     for thread in threads:
         thread.join(60)
     if any(thread.is_alive() for thread in threads):
         raise RuntimeError("a client is still waiting 60 s after the row ended")
-    window = ended - started
     counted = [
-        [latency for end, latency in tally.cycles if started <= end <= ended] for tally in tallies
+        [latency for end, latency in tally.cycles if window.started <= end <= window.ended]
+        for tally in tallies
     ]
     per_group = [sum(len(c) for c in counted[group::groups]) for group in range(groups)]
     return LoopResult(
         cycles=sum(per_group),
-        seconds=window,
+        seconds=window.seconds,
         latencies=[latency for latencies in counted for latency in latencies],
-        rates={name: (after[name] - before[name]) / window for name in after},
+        rates={name: window.rate(name) for name in counters},
         errors=[error for tally in tallies for error in tally.errors],
         error_count=sum(tally.error_count for tally in tallies),
         per_group=per_group,
