@@ -14,9 +14,9 @@ import pytest
 import trio
 
 from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
-from tests.conftest import LineClient
+from tests.polling import eventually, resumed, until_waiting
 from tests.server_process import start_server, stop_server
-from tests.test_handover import FAKE_SUCCESSOR, ask, connect, wait_exit
+from tests.test_handover import FAKE_SUCCESSOR, GetReleaseLoop, ask, connect, wait_exit
 
 pytestmark = pytest.mark.cluster
 
@@ -44,15 +44,6 @@ def node_process(
         stop_server(process)
 
 
-async def counters(client: LineClient) -> dict[bytes, bytes]:
-    await client.send(b"q\n")
-    found = {}
-    while (line := await client.line()) != b"END\r\n":
-        name, _, value = line.strip().partition(b": ")
-        found[name] = value
-    return found
-
-
 async def test_a_successor_node_takes_every_connection_and_session_over(
     nodes: Nodes, tmp_path: Path
 ) -> None:
@@ -73,32 +64,13 @@ async def test_a_successor_node_takes_every_connection_and_session_over(
         assert await ask(leaser, b"lock lease ttl=30") == b"200 Acquired\r\n"
         token_before = await ask(leaser, b"token lease")
         await first.send(b"lock k1 30\n")
-        with trio.fail_after(5):
-            while (await counters(watcher))[b"waiting"] != b"1":
-                await trio.sleep(0.02)
+        await until_waiting(watcher, b"k1", 1)
         await second.send(b"lock k1 30\n")
-        with trio.fail_after(5):
-            while (await counters(watcher))[b"waiting"] != b"2":
-                await trio.sleep(0.02)
-        errors: list[bytes] = []
-        rounds = 0
-        stop = trio.Event()
-
-        async def loop() -> None:
-            nonlocal rounds
-            while not stop.is_set():
-                for line, good in (
-                    (b"g loop", b"1 Got Lock\r\n"),
-                    (b"r loop", b"1 Released Lock\r\n"),
-                ):
-                    reply = await ask(looper, line)
-                    if reply != good:
-                        errors.append(reply)
-                rounds += 1
-
+        await until_waiting(watcher, b"k1", 2)
+        loop = GetReleaseLoop(looper)
         new_log: list[str] = []
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(loop)
+            nursery.start_soon(loop.run)
             await trio.sleep(0.2)
             started = trio.current_time()
             new, _ = await trio.to_thread.run_sync(
@@ -107,15 +79,15 @@ async def test_a_successor_node_takes_every_connection_and_session_over(
             try:
                 assert await wait_exit(old, 10) == 0
                 took = trio.current_time() - started
-                before = rounds
+                before = loop.rounds
                 # Past two session TTLs: only the successor keeps the leases alive.
                 await trio.sleep(2.5 * TEST_SESSION_TTL)
-                stop.set()
+                loop.stop.set()
             except BaseException:
                 stop_server(new)
                 raise
         try:
-            assert errors == [] and rounds > before, (errors, rounds, before)
+            assert loop.errors == [] and loop.rounds > before, (loop, before)
             assert took < 5, f"the hand-over took {took:.2f} s"
             # Every lock is still held, as the other node sees it too.
             assert await ask(watcher, b"g k1") == b"0 Cannot Get Lock\r\n"
@@ -133,17 +105,19 @@ async def test_a_successor_node_takes_every_connection_and_session_over(
                 assert await second.line() == b"200 Acquired\r\n"
             # New connections are served by the new process, which counted it all.
             fresh = await connect(port)
-            found = await counters(fresh)
-            assert found[b"handovers"] == b"1"
-            assert found[b"sessions_lost"] == b"0"
+            found = await fresh.stats()
+            assert found["handovers"] == 1
+            assert found["sessions_lost"] == 0
             assert any("handed over" in line for line in old_log), old_log
             assert any("took over from pid" in line for line in new_log), new_log
             # A client that leaves still frees its locks at once.
             await holder.stream.aclose()
             await second.stream.aclose()
-            with trio.fail_after(5):
-                while await ask(watcher, b"g k1") != b"1 Got Lock\r\n":
-                    await trio.sleep(0.05)
+
+            async def freed() -> bool:
+                return await watcher.request(b"g k1") == b"1 Got Lock"
+
+            await eventually(freed, timeout=5)
         finally:
             stop_server(new)
 
@@ -162,13 +136,9 @@ async def test_a_failed_successor_leaves_the_node_serving_with_every_wait_in_pla
         holder, first, second = [await connect(port) for _ in range(3)]
         assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
         await first.send(b"lock k1 30\n")
-        with trio.fail_after(5):
-            while (await counters(holder))[b"waiting"] != b"1":
-                await trio.sleep(0.02)
+        await until_waiting(holder, b"k1", 1)
         await second.send(b"lock k1 30\n")
-        with trio.fail_after(5):
-            while (await counters(holder))[b"waiting"] != b"2":
-                await trio.sleep(0.02)
+        await until_waiting(holder, b"k1", 2)
         fake = await trio.lowlevel.open_process(
             [sys.executable, FAKE_SUCCESSOR, str(control), how], stdout=subprocess.PIPE
         )
@@ -194,7 +164,7 @@ async def test_a_failed_successor_leaves_the_node_serving_with_every_wait_in_pla
         assert await ask(first, b"unlock k1") == b"200 Unlocked\r\n"
         with trio.fail_after(5):
             assert await second.line() == b"200 Acquired\r\n"
-        assert (await counters(holder))[b"sessions_lost"] == b"0"
+        assert (await holder.stats())["sessions_lost"] == 0
 
 
 async def test_a_handed_over_node_session_can_be_taken_back_by_conn_id(
@@ -216,12 +186,8 @@ async def test_a_handed_over_node_session_can_be_taken_back_by_conn_id(
             assert await ask(worker, b"ping") == b"200 PONG\r\n"  # the same connection
             await worker.stream.aclose()  # a network blip
             back = await connect(port)
-            with trio.fail_after(5):
-                while (
-                    reply := await ask(back, b"conn_id " + session_id)
-                ) != b"200 conn id set\r\n":
-                    assert reply == b"403 cannot set conn id\r\n"  # not noticed the close yet
-                    await trio.sleep(0.05)
+            # Until the node has noticed the close, the session is not free to take.
+            await eventually(lambda: resumed(back, session_id), timeout=5)
             assert await ask(back, b"unlock nightly") == b"200 Unlocked\r\n"
             assert await ask(back, b"lock nightly") == b"200 Acquired\r\n"
         finally:
