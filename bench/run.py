@@ -788,6 +788,76 @@ def print_etcd_row(name: str, clients: int, result: LoopResult) -> None:
         print(f"    error: {error}", flush=True)
 
 
+#: A load row against the nodes: its name, one connect per client, the counters it
+#: samples (``both`` nodes' makes it a 2-node row) and the hand-off row's holders.
+NodeRow = tuple[str, list[Callable[[], Client]], dict[str, Callable[[], float]], Holders | None]
+
+
+def node_rows(
+    ports: list[int],
+    counts: list[int],
+    one: dict[str, Callable[[], float]],
+    both: dict[str, Callable[[], float]],
+) -> list[NodeRow]:
+    """The load rows against the two nodes, in the order they run: one client's
+    latency, own keys on one node and on both at each client count (on both only with
+    more than one client, so each node has one), then the hand-off row at the first
+    count."""
+    hot = Holders()
+    rows: list[NodeRow] = [
+        (
+            "latency, 1 node, `lock K`/`unlock K`",
+            [on(ports[0], b"lat:w", WORD_CYCLE)],
+            one,
+            None,
+        ),
+        ("latency, 1 node, `g K`/`r K`", [on(ports[0], b"lat:t", TERSE_CYCLE)], one, None),
+    ]
+    for clients in counts:
+        own = [b"own:%d" % i for i in range(clients)]
+        rows.append(("own keys, 1 node", [on(ports[0], k, WORD_CYCLE) for k in own], one, None))
+        if clients > 1:
+            two = [on(ports[i % 2], k, WORD_CYCLE) for i, k in enumerate(own)]
+            rows.append(("own keys, 2 nodes", two, both, None))
+    rows.append(
+        (
+            "one key, `lock K 10`, 2 nodes (handoffs)",
+            [on(ports[i % 2], b"hot", WAIT_CYCLE, hot) for i in range(counts[0])],
+            both,
+            hot,
+        )
+    )
+    return rows
+
+
+def memory_rows(seconds: float, results: dict[tuple[str, int], LoopResult]) -> None:
+    """The one-client latency loops against a plain in-memory elockd, as the
+    reference (added to ``results``), then each family's p50 on a node over it: what
+    going through etcd costs one client."""
+    port = free_port()
+    with running(elockd_command(port), port, core=None) as plain:
+        memory: dict[str, Callable[[], float]] = {
+            "client": time.process_time,
+            "box": box_busy_seconds,
+            **process_counters("node", plain.pid),
+        }
+        for name, key, cycle in (
+            ("latency, in memory, `lock K`/`unlock K`", b"lat:w", WORD_CYCLE),
+            ("latency, in memory, `g K`/`r K`", b"lat:t", TERSE_CYCLE),
+        ):
+            results[name, 1] = run_loops([on(port, key, cycle)], seconds, memory)
+            print_etcd_row(name, 1, results[name, 1])
+    ratios = []
+    for family in ("`lock K`/`unlock K`", "`g K`/`r K`"):
+        etcd_p50 = results[f"latency, 1 node, {family}", 1].ms(0.5)
+        memory_p50 = results[f"latency, in memory, {family}", 1].ms(0.5)
+        ratios.append(
+            f"{family} {etcd_p50:.2f} / {memory_p50:.3f} ms = {etcd_p50 / memory_p50:,.0f}x"
+        )
+    print()
+    print("One client's cycle p50, etcd / in memory: " + ", ".join(ratios), flush=True)
+
+
 def etcd_rows(
     seconds: float,
     counts: list[int],
@@ -853,31 +923,7 @@ def etcd_rows(
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
 
-        hot = Holders()
-        rows: list[tuple[str, list[Callable[[], Client]], dict[str, Any], Holders | None]] = [
-            (
-                "latency, 1 node, `lock K`/`unlock K`",
-                [on(ports[0], b"lat:w", WORD_CYCLE)],
-                one,
-                None,
-            ),
-            ("latency, 1 node, `g K`/`r K`", [on(ports[0], b"lat:t", TERSE_CYCLE)], one, None),
-        ]
-        for clients in counts:
-            own = [b"own:%d" % i for i in range(clients)]
-            rows.append(("own keys, 1 node", [on(ports[0], k, WORD_CYCLE) for k in own], one, None))
-            if clients > 1:
-                two = [on(ports[i % 2], k, WORD_CYCLE) for i, k in enumerate(own)]
-                rows.append(("own keys, 2 nodes", two, both, None))
-        rows.append(
-            (
-                "one key, `lock K 10`, 2 nodes (handoffs)",
-                [on(ports[i % 2], b"hot", WAIT_CYCLE, hot) for i in range(counts[0])],
-                both,
-                hot,
-            )
-        )
-        for name, connects, counters, holders in rows:
+        for name, connects, counters, holders in node_rows(ports, counts, one, both):
             groups = 2 if counters is both else 1
             result = run_loops(connects, seconds, counters, groups, holders)
             results[name, len(connects)] = result
@@ -899,29 +945,7 @@ def etcd_rows(
                 log = (base / f"node{index + 1}.log").read_text(errors="replace").splitlines()
                 print(f"--- node{index + 1}.log (last lines)\n" + "\n".join(log[-20:]))
             print(cluster.log_tails(5))
-    # The same one-client loops against a plain in-memory elockd, as the reference.
-    port = free_port()
-    with running(elockd_command(port), port, core=None) as plain:
-        memory: dict[str, Callable[[], float]] = {
-            "client": time.process_time,
-            "box": box_busy_seconds,
-            **process_counters("node", plain.pid),
-        }
-        for name, key, cycle in (
-            ("latency, in memory, `lock K`/`unlock K`", b"lat:w", WORD_CYCLE),
-            ("latency, in memory, `g K`/`r K`", b"lat:t", TERSE_CYCLE),
-        ):
-            results[name, 1] = run_loops([on(port, key, cycle)], seconds, memory)
-            print_etcd_row(name, 1, results[name, 1])
-    ratios = []
-    for family in ("`lock K`/`unlock K`", "`g K`/`r K`"):
-        etcd_p50 = results[f"latency, 1 node, {family}", 1].ms(0.5)
-        memory_p50 = results[f"latency, in memory, {family}", 1].ms(0.5)
-        ratios.append(
-            f"{family} {etcd_p50:.2f} / {memory_p50:.3f} ms = {etcd_p50 / memory_p50:,.0f}x"
-        )
-    print()
-    print("One client's cycle p50, etcd / in memory: " + ", ".join(ratios), flush=True)
+    memory_rows(seconds, results)
     from bench.etcd_scale import print_beside_etcd, scale_rows
 
     print_beside_etcd(results)
