@@ -40,10 +40,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from bench.run import (
     COMMITS,
+    LoopResult,
     Window,
     box_busy_seconds,
     cpu_seconds,
@@ -459,7 +459,7 @@ class IdleRow:
         )
 
 
-def print_beside_etcd(results: Mapping[tuple[str, int], Any]) -> None:
+def print_beside_etcd(results: Mapping[tuple[str, int], LoopResult]) -> None:
     """The own-key rows' cycles/s beside etcd alone at the same client count, all from
     this run: etcd's own write rate on this box is the ceiling a node is held to."""
     print()
