@@ -59,16 +59,19 @@ class Nodes:
     prefix: str = field(default_factory=lambda: f"/test-{uuid.uuid4().hex[:10]}/")
     started: list[Node] = field(default_factory=list)
 
-    def start(self, *args: str, endpoints: list[str] | None = None) -> Node:
-        process, port = start_server(
+    def flags(self, endpoints: list[str] | None = None) -> tuple[str, ...]:
+        """What every node of this cluster runs with (a hand-over's successor too)."""
+        return (
             "--etcd",
             ",".join(endpoints or self.etcd.endpoints),
             "--etcd-prefix",
             self.prefix,
             "--session-ttl",
             str(TEST_SESSION_TTL),
-            *args,
         )
+
+    def start(self, *args: str, endpoints: list[str] | None = None) -> Node:
+        process, port = start_server(*self.flags(endpoints), *args)
         node = Node(process, port)
         self.started.append(node)
         return node

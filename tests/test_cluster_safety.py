@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
+from tests.cluster_nodes import Nodes
 from tests.safety import ServerChain, run
 
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
@@ -48,14 +48,10 @@ def test_no_violation_and_nothing_noticed_across_five_handovers_of_a_node(
 ) -> None:
     seconds = max(8.0, float(os.environ.get("CLUSTER_STRESS_SECONDS", "8")))
     seed = int(os.environ.get("STRESS_SEED", "1"))
-    flags = (
-        "--etcd", ",".join(nodes.etcd.endpoints), "--etcd-prefix", nodes.prefix,
-        "--session-ttl", str(TEST_SESSION_TTL),
-    )  # fmt: skip
     other = nodes.start()
     records = tmp_path / "records"
     records.mkdir()
-    with ServerChain(tmp_path, *flags) as chain:
+    with ServerChain(tmp_path, *nodes.flags()) as chain:
         report = run(
             [chain.port, other.port], seconds, records, seed=seed, handovers=5, chain=chain
         )

@@ -21,23 +21,11 @@ from tests.test_handover import FAKE_SUCCESSOR, GetReleaseLoop, ask, connect, wa
 pytestmark = pytest.mark.cluster
 
 
-def node_flags(nodes: Nodes) -> tuple[str, ...]:
-    """The flags every node of the test's cluster runs with (the successor too)."""
-    return (
-        "--etcd",
-        ",".join(nodes.etcd.endpoints),
-        "--etcd-prefix",
-        nodes.prefix,
-        "--session-ttl",
-        str(TEST_SESSION_TTL),
-    )
-
-
 @contextmanager
 def node_process(
     nodes: Nodes, *args: str, log: list[str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    process, port = start_server(*node_flags(nodes), *args, log=log)
+    process, port = start_server(*nodes.flags(), *args, log=log)
     try:
         yield process, port
     finally:
@@ -74,7 +62,7 @@ async def test_a_successor_node_takes_every_connection_and_session_over(
             await trio.sleep(0.2)
             started = trio.current_time()
             new, _ = await trio.to_thread.run_sync(
-                lambda: start_server(*node_flags(nodes), "--take-over", str(control), log=new_log)
+                lambda: start_server(*nodes.flags(), "--take-over", str(control), log=new_log)
             )
             try:
                 assert await wait_exit(old, 10) == 0
@@ -179,7 +167,7 @@ async def test_a_handed_over_node_session_can_be_taken_back_by_conn_id(
         assert await ask(worker, b"lock nightly") == b"200 Acquired\r\n"
         session_id = (await ask(worker, b"conn_id"))[4:].strip()
         new, _ = await trio.to_thread.run_sync(
-            lambda: start_server(*node_flags(nodes), "--take-over", str(control))
+            lambda: start_server(*nodes.flags(), "--take-over", str(control))
         )
         try:
             assert await wait_exit(old, 10) == 0
