@@ -163,15 +163,12 @@ class ClusterNode:
         period = self.session_ttl / 3
         while True:
             await trio.sleep(period)
-            # While a hand-over copies the books, only the keepalives go out: whoever
-            # serves on judges the sessions and sweeps.
-            if not self.calls.frozen:
-                self._fail_unreachable_sessions(trio.current_time())
+            self._fail_unreachable_sessions(trio.current_time())
             async with trio.open_nursery() as nursery:
                 for session in list(self.ledger.sessions.values()):
                     if session.lease and not session.lost:
                         nursery.start_soon(self._keep_session_alive, session)
-            if not self.calls.frozen:
+            if not self.calls.frozen:  # whoever serves on sweeps
                 await self._sweep()
 
     def _fail_unreachable_sessions(self, now: float) -> None:
@@ -213,8 +210,7 @@ class ClusterNode:
         if session.lease != lease:
             return
         if remaining == 0:
-            if not self.calls.frozen:  # else whoever serves on finds out
-                self.ownership.lose(session, "its etcd lease expired")
+            self.ownership.lose(session, "its etcd lease expired")
         else:
             session.expires_at = sent + remaining
 

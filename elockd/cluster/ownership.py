@@ -268,8 +268,10 @@ class SessionOwnership:
         self.calls.spawn(end, "end a session")
 
     def lose(self, session: ClusterSession, why: str) -> None:
-        """etcd no longer has this session: everything it held is gone already."""
-        if session.lost:
+        """etcd no longer has this session: everything it held is gone already.
+        Not while a hand-over copies the books: whoever serves on finds out (its
+        keepalive, or etcd's "lease not found")."""
+        if session.lost or self.calls.frozen:
             return
         session.lost = True
         self.ledger.sessions_lost += 1
@@ -284,8 +286,9 @@ class SessionOwnership:
 
     def moved(self, session: ClusterSession, why: str) -> None:
         """Another node took the session over (``conn_id`` there): let go of it here
-        without freeing anything, and end its connection here if it has one."""
-        if session.lost:
+        without freeing anything, and end its connection here if it has one. Not
+        while a hand-over copies the books: whoever serves on rechecks the records."""
+        if session.lost or self.calls.frozen:
             return
         session.lost = True  # for this node: nothing more may be done with it
         log.warning("session %s taken over elsewhere (%s)", session.id[:8], why)
@@ -302,8 +305,6 @@ class SessionOwnership:
         kv = event.kv
         if event.type == "DELETE" or not kv.key.startswith(self.layout.sessions):
             return
-        if self.calls.frozen:
-            return  # a hand-over copies the books: whoever serves on rechecks the records
         session = self.ledger.by_lease.get(kv.lease)
         if session is None or kv.mod_revision <= session.record_revision:
             return
