@@ -20,6 +20,7 @@ from elockd.config import Config
 from elockd.server import make_service, serve
 from tests.conftest import LineClient
 from tests.hostile_tools import free_port
+from tests.polling import eventually, until_waiting
 
 
 @dataclass
@@ -188,3 +189,69 @@ async def test_the_clients_and_their_calls_work_over_websocket(nursery: trio.Nur
 
             assert await trio.to_thread.run_sync(from_a_thread)
         assert not (await client.info("job")).locked
+
+
+async def test_a_waiting_request_is_answered_in_order_and_cancelled_by_a_close(
+    nursery: trio.Nursery,
+) -> None:
+    """A wait over WebSocket is a TCP session's wait: a request sent behind it is
+    answered after it, and closing the session while it waits cancels it."""
+    server = await start(nursery)
+    tcp = await server.tcp()
+    assert await tcp.request(b"g K") == b"1 Got Lock"
+    async with websocket(server.url) as ws:
+        await ws.send_message("lock K 5")
+        await until_waiting(tcp, b"K")
+        await ws.send_message("ping")
+        assert await tcp.request(b"r K") == b"1 Released Lock"
+        assert await ws.get_message() == "200 Acquired\r\n"
+        assert await ws.get_message() == "200 PONG\r\n"
+        assert await ask(ws, "unlock K") == "200 Unlocked\r\n"
+    assert await tcp.request(b"g K") == b"1 Got Lock"
+    async with websocket(server.url) as ws:
+        await ws.send_message("lock K 30")
+        await until_waiting(tcp, b"K")
+    await until_waiting(tcp, b"K", 0)  # the close cancelled the wait
+    assert await tcp.request(b"r K") == b"1 Released Lock"
+    assert await tcp.request(b"i K") == b"0 Not Locked"
+
+
+async def test_a_message_of_several_lines_is_that_many_requests_answered_in_one_message(
+    nursery: trio.Nursery,
+) -> None:
+    """docs/protocol.md's reading: a message is read as the TCP port reads bytes, so
+    "g a\\ng b" is two requests; their replies come together, in one message."""
+    server = await start(nursery)
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "g a\ng b") == "1 Got Lock\r\n1 Got Lock\r\n"
+        assert await ask(ws, "i a") == "1 Locked\r\n"
+
+
+async def test_close_codes_say_why_a_session_ended(nursery: trio.Nursery) -> None:
+    """1009 for a message over the hard bound (its locks are freed as at any close),
+    1013 after "0 Too Many Connections", 1000 after quit."""
+    server = await start(nursery, max_connections=2)
+    tcp = await server.tcp()
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "g K") == "1 Got Lock\r\n"
+        await ws.send_message("g " + "k" * (1 << 20))
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.get_message()
+        assert closed.value.reason.code == 1009
+
+    async def freed() -> bool:
+        return await tcp.request(b"i K") == b"0 Not Locked"
+
+    await eventually(freed, timeout=5)
+    async with websocket(server.url) as ws:
+        assert await ask(ws, "quit") == "200 Bye\r\n"
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.get_message()
+        assert closed.value.reason.code == 1000
+    second = await server.tcp()
+    assert await second.request(b"ping") == b"200 PONG"
+    async with websocket(server.url) as ws:
+        assert await ws.get_message() == "0 Too Many Connections\r\n"
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.get_message()
+        assert closed.value.reason.code == 1013
