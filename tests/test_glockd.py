@@ -145,3 +145,34 @@ async def test_who_lists_in_naming_order_on_both_styles(
     reply = await silence_read(clients[0], b"who")
     names = [line.split(b": ")[1] for line in reply.split(b"\r\n") if b": " in line]
     assert names == [b"d", b"c", b"a", b"b2"]
+
+
+async def test_requests_that_get_no_reply_are_still_counted(
+    lock_server: RunningServer, clock: object
+) -> None:
+    """PROTOCOL.md: a request glockd answers with nothing still counts, in
+    ``invalid_commands`` or its ``command_*``; ``command_who`` appears once used."""
+    client = await lock_server.connect()
+    for request in (b"xx", b"", b"G job", b"nope k v", b"d nothing", b"sd nothing", b"who x"):
+        assert await replies_then_pong(client, request) == b"", request
+    counts = node_lockd_parse(await silence_read(client, b"q"))
+    assert counts["invalid_commands"] == "4"
+    assert (counts["command_d"], counts["command_sd"], counts["command_who"]) == ("1", "1", "1")
+
+
+async def test_dump_shared_lists_every_key_and_an_empty_table_as_an_empty_map(
+    lock_server: RunningServer, clock: object
+) -> None:
+    holder, other = await lock_server.connect(), await lock_server.connect()
+    assert await replies_then_pong(other, b"dump shared") == b"map[]\r\n"
+    for client, line in ((holder, b"sg p1"), (holder, b"sg p2"), (other, b"sg p1")):
+        await client.send(line + b"\n")
+        await client.line()
+    h, o = holder.peer, other.peer
+    expected = b"map[p1:[%s %s] p2:[%s]]\r\n" % (h, o, h)
+    assert await replies_then_pong(other, b"dump shared") == expected
+    await holder.send(b"sr p1\nsr p2\n")
+    await other.send(b"sr p1\n")
+    for client in (holder, holder, other):
+        await client.line()
+    assert await replies_then_pong(other, b"dump shared") == b"map[]\r\n"
