@@ -51,9 +51,15 @@ HIGH_KEY = bytes(range(0x80, 0x100))
 # ------------------------------------------------------------------- helpers
 
 
-def new_service(first_token: int = 1, *, free_slice: int = FREE_SLICE, **settings: Any) -> Service:
+def new_service(
+    first_token: int = 1,
+    *,
+    free_slice: int = FREE_SLICE,
+    token: bytes | None = None,
+    **settings: Any,
+) -> Service:
     """A service on a fresh in-memory backend, its histograms fed (as with a
-    metrics port), fencing tokens from ``first_token``."""
+    metrics port), fencing tokens from ``first_token``; ``token``: ``auth`` wanted."""
     config = Config(**settings)
     backend = MemoryBackend(
         first_token=first_token,
@@ -62,7 +68,7 @@ def new_service(first_token: int = 1, *, free_slice: int = FREE_SLICE, **setting
         max_sessions=config.max_sessions,
         free_slice=free_slice,
     )
-    service = Service(config, backend, COMMANDS)
+    service = Service(config, backend, COMMANDS, token)
     service.feed_timings()
     return service
 
@@ -555,6 +561,27 @@ def test_counters_and_histograms_move_and_the_handover_is_counted() -> None:
         assert [(b.counts, b.sum) for b in new_buckets] == [(b.counts, b.sum) for b in old_buckets]
     again = hand_over(both.new, 4.0, list(both.pairs.values()))
     assert again.new.snapshot() == {**before, "handovers": 2}
+
+
+def test_auth_done_moves_and_auth_not_done_stays_wanted() -> None:
+    old = new_service(token=b"T")
+    passed, other = connect(old, 1), connect(old, 2)
+    assert whole(passed.handle(b"auth T", 0.0)) == b"200 OK\r\n"
+    assert whole(passed.handle(b"g k", 0.0)) == b"1 Got Lock\r\n"
+    both = hand_over(old, 1.0, [passed, other], successor=new_service(token=b"T"))
+    assert both.ask(passed, b"i k", 2.0) == b"1 Locked\r\n"
+    assert both.ask(other, b"g k", 2.0) == b"0 Auth Required\r\n"
+    assert both.ask(other, b"lock k", 2.0) == b"403 Auth Required\r\n"
+
+
+def test_who_keeps_the_order_names_were_set_in() -> None:
+    old = new_service()
+    first, second, third = (connect(old, port) for port in (1, 2, 3))
+    for conn, name in ((first, b"c"), (second, b"a"), (third, b"b"), (first, b"c2")):
+        assert whole(conn.handle(b"iam " + name, 0.0)) == b"1 ok\r\n"
+    both = hand_over(old, 1.0, [first, second, third])
+    listing = b"10.0.0.1:2: a\r\n10.0.0.1:3: b\r\n10.0.0.1:1: c2\r\nEND\r\n"
+    assert both.ask(second, b"who", 2.0) == listing
 
 
 # ---------------------------------------------------------------------- JSON
