@@ -198,3 +198,50 @@ async def test_a_successor_without_etcd_is_refused_by_a_node(nodes: Nodes, tmp_p
         assert b"--etcd" in result.stderr, result.stderr
         assert old.poll() is None
         assert await ask(holder, b"i k1") == b"1 Locked\r\n"
+
+
+async def test_waits_of_every_kind_move_with_the_requests_behind_them(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """A shared wait with a limit, an mlock wait, an exclusive wait with requests
+    pipelined behind it (one of them still unread), and a waiter that leaves on the
+    successor: each ends as it would have on the old node."""
+    control = tmp_path / "control.sock"
+    with node_process(nodes, "--control-socket", str(control)) as (old, port):
+        one, two, shared_waiter, holder, mlocker, piper, leaver = [
+            await connect(port) for _ in range(7)
+        ]
+        for count, client in enumerate((one, two), 1):
+            assert await ask(client, b"lock_shared p 0 limit=2") == b"200 %d\r\n" % count
+        await shared_waiter.send(b"lock_shared p 30 limit=2\n")
+        await until_waiting(holder, b"p")
+        assert await ask(holder, b"lock b") == b"200 Acquired\r\n"
+        await mlocker.send(b"mlock a b wait=2\n")
+        assert await ask(holder, b"lock k1") == b"200 Acquired\r\n"
+        await piper.send(b"lock k1 30\nping\n")
+        await leaver.send(b"lock k1 30\n")
+        await until_waiting(holder, b"k1", 2)
+        new, _ = await trio.to_thread.run_sync(
+            lambda: start_server(*nodes.flags(), "--take-over", str(control))
+        )
+        try:
+            assert await wait_exit(old, 10) == 0
+            await piper.send(b"ping\n")  # after the hand-over, behind the waiting lock
+            with trio.fail_after(5):
+                assert await mlocker.line() == b"409 Unavailable b\r\n"
+            # (its count may include the waiter it let in: not what is tested here)
+            assert (await ask(one, b"unlock_shared p")).startswith(b"200 ")
+            with trio.fail_after(5):
+                assert await shared_waiter.line() == b"200 2\r\n"
+            await leaver.stream.aclose()
+            await until_waiting(holder, b"k1", 1)  # the successor cancelled its wait
+            assert await ask(holder, b"unlock k1") == b"200 Unlocked\r\n"
+            with trio.fail_after(5):
+                assert [await piper.line() for _ in range(3)] == [
+                    b"200 Acquired\r\n",
+                    b"200 PONG\r\n",
+                    b"200 PONG\r\n",
+                ]
+            assert (await holder.stats())["sessions_lost"] == 0
+        finally:
+            stop_server(new)
