@@ -12,7 +12,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +62,8 @@ class GetReleaseLoop:
     client: LineClient
     errors: list[bytes] = field(default_factory=list)
     rounds: int = 0
+    #: Rounds made by the time the old process had exited.
+    rounds_at_exit: int = 0
     stop: trio.Event = field(default_factory=trio.Event)
 
     async def run(self) -> None:
@@ -71,6 +73,30 @@ class GetReleaseLoop:
                 if reply != good:
                     self.errors.append(reply)
             self.rounds += 1
+
+    async def across(
+        self,
+        start_successor: Callable[[], subprocess.Popen[str]],
+        old: subprocess.Popen[str],
+        then: float,
+    ) -> tuple[subprocess.Popen[str], float]:
+        """Loop while ``start_successor`` takes ``old`` over, which must exit 0, and
+        for ``then`` seconds more: the successor, and how long the hand-over took."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.run)
+            await trio.sleep(0.2)
+            started = trio.current_time()
+            new = await trio.to_thread.run_sync(start_successor)
+            try:
+                assert await wait_exit(old, 10) == 0
+                took = trio.current_time() - started
+                self.rounds_at_exit = self.rounds
+                await trio.sleep(then)
+                self.stop.set()
+            except BaseException:
+                stop_server(new)
+                raise
+        return new, took
 
 
 def take_over(control: Path, *args: str, log: list[str] | None = None) -> subprocess.Popen[str]:
@@ -94,22 +120,9 @@ async def test_a_successor_takes_every_connection_and_lock_over(tmp_path: Path) 
         await until_waiting(holder, b"k1")
         loop = GetReleaseLoop(looper)
         new_log: list[str] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(loop.run)
-            await trio.sleep(0.2)
-            started = trio.current_time()
-            new = await trio.to_thread.run_sync(lambda: take_over(control, log=new_log))
-            try:
-                assert await wait_exit(old, 10) == 0
-                took = trio.current_time() - started
-                before = loop.rounds
-                await trio.sleep(0.3)
-                loop.stop.set()
-            except BaseException:
-                stop_server(new)
-                raise
+        new, took = await loop.across(lambda: take_over(control, log=new_log), old, 0.3)
         try:
-            assert loop.errors == [] and loop.rounds > before, (loop, before)
+            assert loop.errors == [] and loop.rounds > loop.rounds_at_exit, loop
             assert took < 5, f"the hand-over took {took:.2f} s"
             # Holds, names, leases and tokens came along.
             assert await ask(holder, b"i k1") == b"1 Locked\r\n"

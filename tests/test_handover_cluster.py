@@ -57,25 +57,15 @@ async def test_a_successor_node_takes_every_connection_and_session_over(
         await until_waiting(watcher, b"k1", 2)
         loop = GetReleaseLoop(looper)
         new_log: list[str] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(loop.run)
-            await trio.sleep(0.2)
-            started = trio.current_time()
-            new, _ = await trio.to_thread.run_sync(
-                lambda: start_server(*nodes.flags(), "--take-over", str(control), log=new_log)
-            )
-            try:
-                assert await wait_exit(old, 10) == 0
-                took = trio.current_time() - started
-                before = loop.rounds
-                # Past two session TTLs: only the successor keeps the leases alive.
-                await trio.sleep(2.5 * TEST_SESSION_TTL)
-                loop.stop.set()
-            except BaseException:
-                stop_server(new)
-                raise
+
+        def successor() -> subprocess.Popen[str]:
+            process, _ = start_server(*nodes.flags(), "--take-over", str(control), log=new_log)
+            return process
+
+        # Past two session TTLs after it: only the successor keeps the leases alive.
+        new, took = await loop.across(successor, old, 2.5 * TEST_SESSION_TTL)
         try:
-            assert loop.errors == [] and loop.rounds > before, (loop, before)
+            assert loop.errors == [] and loop.rounds > loop.rounds_at_exit, loop
             assert took < 5, f"the hand-over took {took:.2f} s"
             # Every lock is still held, as the other node sees it too.
             assert await ask(watcher, b"g k1") == b"0 Cannot Get Lock\r\n"
