@@ -255,3 +255,26 @@ async def test_close_codes_say_why_a_session_ended(nursery: trio.Nursery) -> Non
         with pytest.raises(ConnectionClosed) as closed:
             await ws.get_message()
         assert closed.value.reason.code == 1013
+
+
+async def test_glockds_silences_send_no_message(nursery: trio.Nursery) -> None:
+    """With --replies glockd, a request that gets no reply gets no message either."""
+    server = await start(nursery, replies="glockd")
+    async with websocket(server.url) as ws:
+        for request in ("nope", "d nothing", ""):
+            await ws.send_message(request)
+        assert await ask(ws, "ping") == "200 PONG\r\n"
+        assert await ask(ws, "g k") == "1 Lock Get Success: k\r\n"
+        assert await ask(ws, "d") == f"k: {ws.local.address}:{ws.local.port}\r\n"
+
+
+async def test_binary_messages_keep_every_byte_of_a_key(nursery: trio.Nursery) -> None:
+    server = await start(nursery)
+    tcp = await server.tcp()
+    async with websocket(server.url) as ws:
+        assert await ask(ws, b"g \x80\xff") == b"1 Got Lock\r\n"
+        assert await tcp.request(b"i \x80\xff") == b"1 Locked"
+        listing = await ask(ws, b"d")
+        assert isinstance(listing, bytes) and listing.startswith(b"\x80\xff: "), listing
+        text = await ask(ws, "d")  # a text message shows the bytes replaced
+        assert isinstance(text, str) and text.startswith("\ufffd\ufffd: "), text
