@@ -123,6 +123,7 @@ async def test_a_successor_takes_every_connection_and_lock_over(tmp_path: Path) 
         new, took = await loop.across(lambda: take_over(control, log=new_log), old, 0.3)
         try:
             assert loop.errors == [] and loop.rounds > loop.rounds_at_exit, loop
+            print(f"hand-over took {took:.2f} s, {loop.rounds} g/r rounds, errors {loop.errors}")
             assert took < 5, f"the hand-over took {took:.2f} s"
             # Holds, names, leases and tokens came along.
             assert await ask(holder, b"i k1") == b"1 Locked\r\n"
