@@ -366,7 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         default=defaults.etcd_timeout,
         metavar="SECONDS",
-        help="with --etcd: give up on etcd after this long and reply 'Backend Unavailable'",
+        help="with --etcd: give up on etcd after this long and reply 'Backend Unavailable' "
+        "(counted from when a call is sent, not while it waits behind this node's others)",
+    )
+    add(
+        "--etcd-in-flight",
+        type=positive_int,
+        default=defaults.etcd_in_flight,
+        metavar="N",
+        help="with --etcd: calls to etcd in flight at once; the others wait in order",
     )
     add("--log-level", choices=LEVELS, default=defaults.log_level, help="least severe level logged")
     add(

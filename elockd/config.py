@@ -59,3 +59,4 @@ class Config:
     etcd_prefix: str = "/elockd/"
     session_ttl: int = 5
     etcd_timeout: float = 3.0
+    etcd_in_flight: int = 16

@@ -381,7 +381,9 @@ def make_cluster_backend(config: Config) -> Backend:
             f"--max-keys {config.max_keys}: above {MAX_CLUSTER_KEYS} does not fit one etcd txn"
         )
     endpoints = [url.strip() for url in config.etcd.split(",") if url.strip()]
-    client = EtcdClient(endpoints, deadline=config.etcd_timeout)
+    client = EtcdClient(
+        endpoints, deadline=config.etcd_timeout, max_concurrent=config.etcd_in_flight
+    )
     return ClusterLockSpace(
         client,
         config.etcd_prefix.encode(),

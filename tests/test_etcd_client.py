@@ -251,8 +251,98 @@ async def test_unary_calls_reuse_keep_alive_connections(nursery: trio.Nursery) -
     await eventually(lambda: member.open == 0, timeout=1, what="aclose closed the idle ones")
 
 
+async def test_a_backlog_of_calls_waits_its_turn_and_is_not_read_as_etcd_down(
+    nursery: trio.Nursery,
+) -> None:
+    """Six calls at once through a window of one, each answered in 0.2 s: the last
+    is sent after a second, twice the deadline, and still succeeds. Before, the
+    deadline counted the wait for the window, and the fourth call on failed with
+    "no attempt finished" while etcd answered every one it was sent."""
+
+    async def slow(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        await trio.sleep(0.2)
+        return await ok(stream, http, request)
+
+    member = await FakeMember(slow).start(nursery)
+    client = EtcdClient([member.url], max_concurrent=1, deadline=0.5)
+    revisions: list[int] = []
+
+    async def put(i: int) -> None:
+        revisions.append(await client.put(b"k", b"%d" % i))
+
+    start = trio.current_time()
+    async with trio.open_nursery() as calls:
+        for i in range(6):
+            calls.start_soon(put, i)
+    assert revisions == [7] * 6
+    assert member.most_open == 1 and trio.current_time() - start >= 1.2
+    await client.aclose()
+
+
+async def test_a_keepalive_is_not_queued_behind_the_backlog(nursery: trio.Nursery) -> None:
+    """Lease keepalives have places of their own: with the window full of slow calls
+    and more waiting, a keepalive is answered in about one round trip."""
+
+    async def by_path(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        if request > 1:  # the first is the keepalive's warm-up below
+            await trio.sleep(0.5)
+        await answer(stream, http, b'{"result": {"TTL": "5"}}')
+        return True
+
+    member = await FakeMember(by_path).start(nursery)
+    client = EtcdClient([member.url], max_concurrent=2, deadline=5)
+    assert await client.lease_keepalive(1) == 5
+    async with trio.open_nursery() as calls:
+        for i in range(6):
+            calls.start_soon(client.put, b"k", b"%d" % i)
+        await trio.sleep(0.1)  # the window is full, four more wait
+        member.behave = ok_keepalive
+        start = trio.current_time()
+        assert await client.lease_keepalive(1) == 5
+        took = trio.current_time() - start
+        member.behave = by_path
+    assert took < 0.3, took
+    await client.aclose()
+
+
+async def ok_keepalive(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+    await answer(stream, http, b'{"result": {"TTL": "5"}}')
+    return True
+
+
+async def test_when_etcd_is_down_a_backlog_fails_at_once_not_a_deadline_each(
+    nursery: trio.Nursery,
+) -> None:
+    """The member takes requests and never answers. The first call fails at its
+    deadline; the four queued behind it were waiting while it did, so they fail at
+    once too: a backlog drains in one deadline, not one deadline per call."""
+
+    async def silent(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        await trio.sleep_forever()
+        return False
+
+    member = await FakeMember(silent).start(nursery)
+    client = EtcdClient([member.url], max_concurrent=1, deadline=0.5, attempt_timeout=0.2)
+    failed: list[str] = []
+
+    async def put(i: int) -> None:
+        with pytest.raises(EtcdUnavailable) as error:
+            await client.put(b"k", b"%d" % i)
+        failed.append(str(error.value))
+
+    start = trio.current_time()
+    async with trio.open_nursery() as calls:
+        for i in range(5):
+            calls.start_soon(put, i)
+    assert len(failed) == 5
+    assert trio.current_time() - start < 0.9
+    assert sum("while this one waited" in message for message in failed) == 4, failed
+    await client.aclose()
+
+
 async def test_the_connection_cap_covers_every_endpoint(nursery: trio.Nursery) -> None:
-    """Idle connections to the endpoint calls left make room for those to the new one."""
+    """Idle connections to the endpoint calls left make room for those to the new one.
+    The cap is the window plus the keepalives' own places (URGENT_SLOTS)."""
 
     async def slow(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
         await trio.sleep(0.05)
@@ -260,19 +350,21 @@ async def test_the_connection_cap_covers_every_endpoint(nursery: trio.Nursery) -
 
     first = await FakeMember(slow).start(nursery)
     second = await FakeMember(slow).start(nursery)
-    client = EtcdClient([first.url, second.url], max_concurrent=2)
+    window = 4
+    cap = window + etcd_client.URGENT_SLOTS
+    client = EtcdClient([first.url, second.url], max_concurrent=window)
 
-    async def two_at_once() -> None:
+    async def window_full() -> None:
         async with trio.open_nursery() as calls:
-            calls.start_soon(client.put, b"k", b"1")
-            calls.start_soon(client.put, b"k", b"2")
+            for i in range(window):
+                calls.start_soon(client.put, b"k", b"%d" % i)
 
-    await two_at_once()
-    assert first.most_open == 2 and client._transport._open == 2
+    await window_full()
+    assert first.most_open == window and client._transport._open == window
     client._current = 1  # as after a failover
-    await two_at_once()
-    assert second.most_open == 2 and client._transport._open == 2
-    await eventually(lambda: first.open == 0, timeout=1, what="closed to make room")
+    await window_full()
+    assert second.most_open == window and client._transport._open == cap
+    await eventually(lambda: first.open == cap - window, timeout=1, what="closed to make room")
     await client.aclose()
 
 

@@ -427,14 +427,22 @@ class _Transport:
                 self._discard(idle.pop())
 
 
+#: Calls in flight beside the window, for lease keepalives alone: a node's own
+#: backlog of requests must never delay the keepalive that keeps its sessions.
+URGENT_SLOTS = 2
+
+
 class EtcdClient:
     """Calls to a set of etcd members with failover; safe to share between tasks.
 
     Calls stick to one endpoint while it answers, and move to the next one when it
-    does not. A trio.CapacityLimiter bounds the calls in flight, and with them the
-    keep-alive connections of unary calls (at most ``max_concurrent``, see
-    _Transport). Watches are not counted there: each holds an httpx streaming
-    connection of its own for its whole life.
+    does not. A trio.CapacityLimiter bounds the calls in flight (the window, at most
+    ``max_concurrent``); the others queue for it in FIFO order, and their deadline
+    starts only once they are sent, so a node's own backlog is never read as etcd
+    not answering. Lease keepalives have :data:`URGENT_SLOTS` of their own. The
+    window also bounds the keep-alive connections of unary calls (see _Transport).
+    Watches are not counted there: each holds an httpx streaming connection of its
+    own for its whole life.
     """
 
     def __init__(
@@ -456,7 +464,10 @@ class EtcdClient:
         self.deadline = deadline
         self._current = 0
         self._limiter = trio.CapacityLimiter(max_concurrent)
-        self._transport = _Transport(max_concurrent)
+        self._urgent = trio.CapacityLimiter(URGENT_SLOTS)
+        self._transport = _Transport(max_concurrent + URGENT_SLOTS)
+        #: When the last call ran out of its deadline unanswered (trio time).
+        self._gave_up_at = -math.inf
         # Only for watches: a stream holds its connection for life, none is worth keeping.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(attempt_timeout),
@@ -473,15 +484,25 @@ class EtcdClient:
         self._transport.close()
         await self._http.aclose()
 
-    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def call(
+        self, path: str, body: dict[str, Any], *, urgent: bool = False
+    ) -> dict[str, Any]:
         """POST ``body`` to ``/v3/{path}``, failing over between endpoints until ``deadline``.
+
+        The call first waits for a place in the window (``urgent``: one of the
+        keepalives' own places). That wait is the node's own backlog, bounded by
+        its connections, and is not counted against the deadline. One exception:
+        if another call ran out of its deadline while this one waited, etcd was not
+        answering meanwhile, and this one fails at once rather than spend a whole
+        deadline of its own learning the same; so a backlog drains promptly when
+        etcd is down.
 
         An attempt fails on a connection error, an HTTP 5xx, an error reply meaning
         "not now" (no leader, timed out, leader changed, ...), a reply body over 64 MiB
         or ``attempt_timeout`` (connect, send and the whole reply);
         the call then moves to the next endpoint and tries again, and raises
-        EtcdUnavailable once ``deadline`` seconds have passed in all (waiting for the
-        limiter included). Any other error reply raises EtcdError at once.
+        EtcdUnavailable once ``deadline`` seconds have passed since it was sent.
+        Any other error reply raises EtcdError at once.
 
         A timed-out attempt may still have committed, so a retry can apply a request
         twice. That is fine only because callers send nothing but idempotent or
@@ -489,10 +510,16 @@ class EtcdClient:
         application is a no-op or fails its compare; keep it that way.
         """
         payload = json.dumps(body).encode()
-        last = "no attempt finished"
-        failures = 0
-        with trio.move_on_after(self.deadline):
-            async with self._limiter:
+        queued_at = trio.current_time()
+        async with self._urgent if urgent else self._limiter:
+            if self._gave_up_at > queued_at:
+                raise EtcdUnavailable(
+                    f"etcd gave no answer to {path}: another call ran out of its "
+                    f"{self.deadline}s while this one waited to be sent"
+                )
+            last = "no attempt finished"
+            failures = 0
+            with trio.move_on_after(self.deadline):
                 while True:
                     index = self._current
                     endpoint = self.endpoints[index]
@@ -508,6 +535,7 @@ class EtcdClient:
                     failures += 1
                     if failures % len(self.endpoints) == 0:
                         await trio.sleep(_ROUND_BACKOFF)  # every member refused: don't spin
+            self._gave_up_at = trio.current_time()
         raise EtcdUnavailable(f"etcd gave no answer to {path} within {self.deadline}s ({last})")
 
     def _log_failure(self, endpoint: str, failure: str) -> None:
@@ -562,7 +590,7 @@ class EtcdClient:
 
     async def lease_keepalive(self, lease: int) -> int:
         """Remaining TTL in seconds; 0 means the lease is gone (expired or revoked)."""
-        reply = await self.call("lease/keepalive", {"ID": str(lease)})
+        reply = await self.call("lease/keepalive", {"ID": str(lease)}, urgent=True)
         return int(reply.get("result", {}).get("TTL", 0))
 
     async def lease_revoke(self, lease: int) -> bool:
