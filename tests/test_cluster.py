@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import trio
 
-from elockd.cluster.etcd_client import EtcdClient, prefix_end
+from elockd.cluster.etcd_client import EtcdClient, KeyValue, prefix_end
 from tests.cluster_nodes import Node, Nodes
 from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, free_ports
@@ -67,14 +67,19 @@ async def named(node: Node, name: bytes) -> LineClient:
     return client
 
 
-async def etcd_keys(etcd: EtcdCluster, prefix: bytes) -> list[bytes]:
-    """Every key under ``prefix`` in etcd, read directly (not through a node)."""
+async def etcd_kvs(etcd: EtcdCluster, prefix: bytes) -> list[KeyValue]:
+    """Every key-value under ``prefix`` in etcd, read directly (not through a node)."""
     client = EtcdClient(etcd.endpoints)
     try:
         _, kvs, _ = await client.get(prefix, prefix_end(prefix))
     finally:
         await client.aclose()
-    return [kv.key for kv in kvs]
+    return kvs
+
+
+async def etcd_keys(etcd: EtcdCluster, prefix: bytes) -> list[bytes]:
+    """Every key under ``prefix`` in etcd, read directly (not through a node)."""
+    return [kv.key for kv in await etcd_kvs(etcd, prefix)]
 
 
 # ------------------------------------------------------------------- FIFO
@@ -394,13 +399,90 @@ async def test_lock_ttl_is_enforced_by_the_owner_node(nodes: Nodes) -> None:
         assert (await owner.stats())["expired"] == 2
 
 
+# ----------------------------------------------------------- one lease per node
+
+
+async def test_a_nodes_sessions_hang_on_one_lease_and_a_disconnect_frees_at_once(
+    nodes: Nodes, etcd: EtcdCluster
+) -> None:
+    """40 sessions of one node, each holding a lock: their 40 entries and 40 records
+    hang on one etcd lease (one keepalive for all), not the heartbeat's. Closing
+    half of them deletes exactly their entries and records, at once."""
+    node = nodes.start()
+    root = nodes.prefix.encode()
+    clients = [await node.connect() for _ in range(40)]
+    with trio.fail_after(20):
+        for n, client in enumerate(clients):
+            assert await client.request(b"g k%d" % n) == b"1 Got Lock"
+        entries = await etcd_kvs(etcd, root + b"q/")
+        records = await etcd_kvs(etcd, root + b"s/")
+        (heartbeat,) = await etcd_kvs(etcd, root + b"n/")
+    assert len(entries) == len(records) == 40
+    leases = {kv.lease for kv in entries + records}
+    assert len(leases) == 1 and 0 not in leases and heartbeat.lease not in leases
+    for client in clients[:20]:
+        await client.aclose()
+
+    async def half_freed() -> bool:
+        return len(await etcd_keys(etcd, root + b"q/")) == 20
+
+    await eventually(half_freed, timeout=3, interval=0.05)
+    with trio.fail_after(10):
+        assert len(await etcd_keys(etcd, root + b"s/")) == 20
+        for n, client in enumerate(clients[20:], start=20):
+            assert await client.request(b"i k%d" % n) == b"1 Locked"
+        other = await node.connect()
+        assert await other.request(b"g k0") == b"1 Got Lock"
+        assert await other.request(b"g k20") == b"0 Cannot Get Lock"
+
+
+async def test_a_session_that_takes_no_lock_writes_nothing_to_etcd(
+    nodes: Nodes, etcd: EtcdCluster
+) -> None:
+    """Connections that ping, read and set a grace, but take nothing: no record, no
+    entry; the first lock writes its record."""
+    node = nodes.start()
+    root = nodes.prefix.encode()
+    with trio.fail_after(10):
+        holder = await node.connect()
+        assert await holder.request(b"g busy") == b"1 Got Lock"
+        idle = [await node.connect() for _ in range(5)]
+        for client in idle:
+            assert await client.request(b"set_timeout 5000") == b"200 timeout set"
+            assert await client.request(b"i busy") == b"1 Locked"
+            assert (await client.stats())["locks"] == 1
+        assert len(await etcd_keys(etcd, root + b"s/")) == 1
+        for client in idle:
+            await client.aclose()
+
+    async def closed() -> bool:  # the holder and the asking connection are left
+        return await session_count(node) == 2
+
+    await eventually(closed, timeout=3, interval=0.05)
+    with trio.fail_after(10):
+        assert len(await etcd_keys(etcd, root + b"s/")) == 1
+        late = await node.connect()
+        assert await late.request(b"g mine") == b"1 Got Lock"
+        assert len(await etcd_keys(etcd, root + b"s/")) == 2
+
+
+async def session_count(node: Node) -> int:
+    """``q``'s sessions line on ``node``, through a fresh connection."""
+    client = await node.connect()
+    try:
+        return (await client.stats())["sessions"]
+    finally:
+        await client.aclose()
+
+
 # ------------------------------------------------------ conn_id failover
 
 
-async def test_conn_id_takes_over_a_session_of_a_dead_node(nodes: Nodes) -> None:
+async def test_conn_id_takes_over_a_session_of_a_dead_node(nodes: Nodes, etcd: EtcdCluster) -> None:
     # Session TTL 6 s gives a node heartbeat of 3 s: there is a window after the
     # node dies in which its sessions still live but its heartbeat is gone.
     a, b = nodes.start("--session-ttl", "6"), nodes.start("--session-ttl", "6")
+    root = nodes.prefix.encode()
     owner, other = await a.connect(), await b.connect()
     with trio.fail_after(5):
         # A session that is still connected, on a live node, cannot be taken.
@@ -430,6 +512,10 @@ async def test_conn_id_takes_over_a_session_of_a_dead_node(nodes: Nodes) -> None
     with trio.fail_after(5):
         assert await heir.request(b"conn_id") == b"200 " + session_id
         assert await token_of(heir, b"K") == token
+        # Its entry moved onto node b's lease, beside the entry of b's own session
+        # on L, keeping its create revision (hence its token).
+        entries = {kv.key.split(b"/")[-2]: kv for kv in await etcd_kvs(etcd, root + b"q/x/")}
+        assert entries[b"K".hex().encode()].lease == entries[b"L".hex().encode()].lease
         assert await other.request(b"g K") == b"0 Cannot Get Lock"
         assert await other.request(b"lock K 0") == b"409 Unavailable"
         assert await heir.request(b"unlock K") == b"200 Unlocked"

@@ -28,20 +28,36 @@ from elockd.cluster.mirror import GRANTED, LOST, WAITING, ClusterWaiter, QueueMi
 
 LAYOUT = Layout(b"/t/")
 KEYS = (b"a", b"b", b"c")
+NODE_LEASE = 77  # every entry hangs on one node's lease
 
 
-def put(
-    kind: bytes, key: bytes, lease: int, revision: int, limit: int, marked_at: int = 0
-) -> Event:
+def put(kind: bytes, key: bytes, tag: int, revision: int, limit: int, marked_at: int = 0) -> Event:
     """An entry created at ``revision``; with ``marked_at``, its mark as held then."""
     value = entry_value(limit, None, b"o", held=bool(marked_at))
-    kv = KeyValue(LAYOUT.entry(kind, key, lease), value, revision, marked_at or revision, lease)
+    kv = KeyValue(LAYOUT.entry(kind, key, tag), value, revision, marked_at or revision, NODE_LEASE)
     return Event("PUT", kv)
 
 
-def delete(kind: bytes, key: bytes, lease: int, revision: int) -> Event:
-    kv = KeyValue(LAYOUT.entry(kind, key, lease), b"", 0, revision, 0)
+def delete(kind: bytes, key: bytes, tag: int, revision: int) -> Event:
+    kv = KeyValue(LAYOUT.entry(kind, key, tag), b"", 0, revision, 0)
     return Event("DELETE", kv)
+
+
+def test_entries_on_names_a_sessions_entries_bound_to_one_lease() -> None:
+    """What a node may free for a session: its entries (by tag) on the node's own
+    lease; one re-parented to another node's lease (a takeover) is not among them."""
+    mirror = QueueMirror(LAYOUT)
+    mirror.apply([put(EXCLUSIVE, b"a", 5, 10, 1), put(SHARED, b"b", 5, 11, 0)])
+    mirror.apply([put(EXCLUSIVE, b"c", 6, 12, 1)])
+    moved = KeyValue(LAYOUT.entry(EXCLUSIVE, b"d", 5), entry_value(1, None, b"o"), 13, 14, 88)
+    mirror.apply([Event("PUT", moved)])
+    assert sorted(mirror.entries_on(5, NODE_LEASE)) == sorted(
+        [(LAYOUT.entry(EXCLUSIVE, b"a", 5), 10), (LAYOUT.entry(SHARED, b"b", 5), 11)]
+    )
+    assert mirror.entries_on(5, 88) == [(moved.key, 13)]
+    mirror.apply([delete(EXCLUSIVE, b"a", 5, 15)])
+    assert mirror.entries_on(5, NODE_LEASE) == [(LAYOUT.entry(SHARED, b"b", 5), 11)]
+    assert mirror.entries_on(9, NODE_LEASE) == []
 
 
 def test_exclusive_handoff_is_fifo() -> None:
@@ -49,8 +65,8 @@ def test_exclusive_handoff_is_fifo() -> None:
     mirror.apply([put(EXCLUSIVE, b"k", 1, 10, 1)])
     woken: list[int] = []
     waiters = []
-    for lease, revision in ((2, 11), (3, 12)):
-        mirror.apply([put(EXCLUSIVE, b"k", lease, revision, 1)])
+    for tag, revision in ((2, 11), (3, 12)):
+        mirror.apply([put(EXCLUSIVE, b"k", tag, revision, 1)])
         waiter = ClusterWaiter([(EXCLUSIVE, b"k")], 1)
         waiter.revision = revision
         waiter.wake = lambda r=revision: woken.append(r)
@@ -80,7 +96,7 @@ def test_waiter_whose_entry_vanishes_is_lost() -> None:
     waiter = ClusterWaiter([(EXCLUSIVE, b"k")], 1)
     waiter.revision = 4
     mirror.add_waiter(waiter)
-    mirror.apply([delete(EXCLUSIVE, b"k", 2, 5)])  # its session lease expired
+    mirror.apply([delete(EXCLUSIVE, b"k", 2, 5)])  # its node's lease ran out
     assert waiter.state == LOST
 
 
@@ -156,11 +172,11 @@ class EtcdAndMirror(RuleBasedStateMachine):
         else:
             limit = 1
         self.revision += 1
-        lease = self._lease_of(self.revision)
+        tag = self._tag_of(self.revision)
         events = []
         for key in keys:
             self.queues.setdefault((kind, key), {})[self.revision] = limit
-            events.append(put(kind, key, lease, self.revision, limit))
+            events.append(put(kind, key, tag, self.revision, limit))
         self._commit(events)
         if limit:
             waiter = ClusterWaiter([(kind, k) for k in keys], limit)
@@ -191,8 +207,8 @@ class EtcdAndMirror(RuleBasedStateMachine):
         if kind == SHARED and waiter.revision in self.queues.get((kind, key), {}):
             # Its node marks it held, in a txn guarded by the entry's revision.
             self.revision += 1
-            lease = self._lease_of(waiter.revision)
-            event = put(kind, key, lease, waiter.revision, waiter.limit, marked_at=self.revision)
+            tag = self._tag_of(waiter.revision)
+            event = put(kind, key, tag, waiter.revision, waiter.limit, marked_at=self.revision)
             self._commit([event])
 
     @precondition(lambda self: any(self.queues.values()))
@@ -206,12 +222,12 @@ class EtcdAndMirror(RuleBasedStateMachine):
         for (kind, key), queue in self.queues.items():
             if gone in queue:
                 del queue[gone]
-                events.append(delete(kind, key, self._lease_of(gone), self.revision))
+                events.append(delete(kind, key, self._tag_of(gone), self.revision))
         self._commit(events)
         self.granted.discard(gone)
 
-    def _lease_of(self, revision: int) -> int:
-        return revision  # the model's leases: one per request, named by its revision
+    def _tag_of(self, revision: int) -> int:
+        return revision  # the model's session tags: one per request, named by its revision
 
     @precondition(lambda self: self.undelivered)
     @rule(count=st.integers(min_value=1, max_value=4))

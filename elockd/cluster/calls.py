@@ -43,9 +43,9 @@ class EtcdCalls:
         self.client = client
         self.nursery: trio.Nursery | None = None
         self.backend_unavailable = 0
-        #: Called when etcd answers "lease not found" for a session's call: its
-        #: lease expired before this node noticed (see :mod:`.ownership`).
-        self.on_lease_gone: Callable[[ClusterSession, str], None] | None = None
+        #: Called when etcd answers "lease not found" for a session's call: the
+        #: node's lease expired before the node noticed (see :mod:`.ownership`).
+        self.on_lease_gone: Callable[[str], None] | None = None
         #: While a hand-over copies this node's books (docs/upgrade.md), nothing may
         #: change them: waits hold their outcome, the sweep and the session checks
         #: skip their round. ``handed_over`` once the successor has them: this
@@ -135,7 +135,8 @@ class EtcdCalls:
     async def etcd(self, call: Awaitable[T], session: ClusterSession | None = None) -> T:
         """Await an etcd call: etcd without quorum, or an error reply, becomes
         BackendUnavailable (the request fails closed; the node stays up). "lease not
-        found" means the session's lease expired before this node noticed."""
+        found" for a ``session``'s call means the node's lease expired before the
+        node noticed."""
         try:
             return await call
         except EtcdUnavailable as error:
@@ -144,7 +145,7 @@ class EtcdCalls:
         except EtcdError as error:
             if session is not None and "lease not found" in error.message:
                 if self.on_lease_gone is not None:
-                    self.on_lease_gone(session, "etcd no longer knows its lease")
+                    self.on_lease_gone("etcd no longer knows the node's lease")
             else:
                 self.unavailable(f"etcd refused a request: {error.message}")
             raise BackendUnavailable(error.message) from error
@@ -161,8 +162,8 @@ class EtcdCalls:
 
     def spawn(self, job: Callable[[], Awaitable[object]], what: str) -> None:
         """Run etcd work that no request waits for (frees after a disconnect, lease
-        ends). If etcd is down it is logged: the stray sweep or the session lease
-        frees it later. So does the session lease when the node is stopping: its
+        ends). If etcd is down it is logged: the stray sweep or the node's lease
+        frees it later. So does the node's lease when the node is stopping: its
         nursery is gone, or closed already while connections still end (the node's
         task has not resumed yet to say so)."""
         nursery = self.nursery

@@ -1,8 +1,8 @@
 """Where the lock space lives in etcd: one root prefix, four kinds of key.
 
-``<root>q/x/<hex key>/<lease hex>``
+``<root>q/x/<hex key>/<session tag hex>``
     an entry in the queue of an exclusive lock (``g``, ``lock``, ``mlock``);
-``<root>q/s/<hex key>/<lease hex>``
+``<root>q/s/<hex key>/<session tag hex>``
     an entry in the queue of a shared lock (``sg``, ``lock_shared``);
 ``<root>s/<sha256 of session id>``
     a session's record (:class:`SessionRecord`): the node serving it, whether a
@@ -13,10 +13,13 @@
 ``<root>meta/token_floor``
     added to every etcd revision to make a fencing token (see :mod:`.ledger`).
 
-Queue entries are bound to their session's etcd lease, so a lost session frees
-everything at once. Lock names are hex-encoded: a ``/`` in a name can never reach
-into the layout, and any byte is allowed. A session id is a bearer secret, so only
-its hash is ever written to etcd; entries name the session by its lease id.
+Queue entries and records are bound to the etcd lease of the node that serves
+their session (one lease per node, not per session: keepalive traffic grows with
+nodes, not sessions), so a dead node's sessions are freed at once when it runs out.
+Lock names are hex-encoded: a ``/`` in a name can never reach into the layout, and
+any byte is allowed. A session id is a bearer secret, so only its hash is ever
+written to etcd; entries name the session by its *tag*, a random number its record
+carries too.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ SHARED = b"s"
 
 @dataclass(frozen=True, slots=True)
 class EntryName:
-    """What an entry's etcd key says: the table, the lock name and the lease."""
+    """What an entry's etcd key says: the table, the lock name and the session's tag."""
 
     kind: bytes
     key: bytes
-    lease: int
+    tag: int
 
     @property
     def queue(self) -> tuple[bytes, bytes]:
@@ -56,8 +59,8 @@ class Layout:
     def queue_prefix(self, kind: bytes, key: bytes) -> bytes:
         return b"%s%s/%s/" % (self.queues, kind, key.hex().encode())
 
-    def entry(self, kind: bytes, key: bytes, lease: int) -> bytes:
-        return b"%s%x" % (self.queue_prefix(kind, key), lease)
+    def entry(self, kind: bytes, key: bytes, tag: int) -> bytes:
+        return b"%s%x" % (self.queue_prefix(kind, key), tag)
 
     def parse_entry(self, etcd_key: bytes) -> EntryName | None:
         """The parts of a queue entry's key; None for any other key."""
@@ -134,24 +137,27 @@ def parse_entry_value(value: bytes) -> EntryValue:
 @dataclass(frozen=True, slots=True)
 class SessionRecord:
     """What a session's record says: the node that serves the session, whether a
-    client is connected to it there, and its grace time in ms. A ``conn_id`` on
-    another node reads it to judge whether the session may be taken over, and to
-    carry its grace time along."""
+    client is connected to it there, its grace time in ms, and its tag (which names
+    it in its entries' keys). A ``conn_id`` on another node reads it to judge whether
+    the session may be taken over, and to carry its grace time and entries along."""
 
     node: str
     connected: bool
     grace_ms: int = 0
+    tag: int = 0
 
 
 def encode_record(record: SessionRecord) -> bytes:
-    """A session record's value: ``<node id> <connected 0|1> <grace ms>``. Fields
-    added later go at the end: :func:`parse_record` ignores what it does not know."""
-    return b"%s %d %d" % (record.node.encode(), record.connected, record.grace_ms)
+    """A session record's value: ``<node id> <connected 0|1> <grace ms> <tag hex>``.
+    Fields added later go at the end: :func:`parse_record` ignores what it does not
+    know."""
+    return b"%s %d %d %x" % (record.node.encode(), record.connected, record.grace_ms, record.tag)
 
 
 def parse_record(value: bytes) -> SessionRecord:
     """The parts of a record value. Missing or malformed fields read as not
-    connected, with no grace time."""
+    connected, with no grace time and no tag (a record without a tag was written
+    by a node with a lease per session: it cannot be taken over)."""
     parts = value.split(b" ")
     node = parts[0].decode(errors="replace")
     connected = len(parts) > 1 and parts[1] == b"1"
@@ -159,4 +165,8 @@ def parse_record(value: bytes) -> SessionRecord:
         grace_ms = int(parts[2]) if len(parts) > 2 else 0
     except ValueError:
         grace_ms = 0
-    return SessionRecord(node, connected, grace_ms)
+    try:
+        tag = int(parts[3], 16) if len(parts) > 3 else 0
+    except ValueError:
+        tag = 0
+    return SessionRecord(node, connected, grace_ms, tag)

@@ -16,7 +16,6 @@ clusters, and the keys of one ``mlock`` get tokens of their own
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,23 +40,23 @@ class ClusterHold(Hold):
 
 
 class ClusterSession(Session):
-    """A session of this node, with the etcd lease its entries are bound to."""
+    """A session of this node, with the tag that names it in its entries' keys (0
+    until it first needs etcd: a session that takes no lock writes nothing there).
+    Its entries hang on the node's etcd lease."""
 
     __slots__ = (
-        "expires_at",
-        "lease",
         "lost",
         "pending",
         "record_lock",
         "record_revision",
+        "tag",
     )
 
     def __init__(self, session_id: str, peer: bytes) -> None:
         super().__init__(session_id, peer)
-        self.lease = 0
+        self.tag = 0
         # Entries a request of this session is creating right now: not strays.
         self.pending: set[bytes] = set()
-        self.expires_at = math.inf  # by this node's clock: when etcd may drop the lease
         self.record_revision = 0  # mod revision of our last write of its record
         self.record_lock = trio.Lock()
         self.lost = False
@@ -112,7 +111,7 @@ def fencing_token(floor: int, revision: int, rank: int) -> int:
 
 
 class Ledger(Bookkeeping):
-    """This node's sessions (by id and by etcd lease), the holds they have, and what
+    """This node's sessions (by id and by tag), the holds they have, and what
     every backend keeps (:class:`~elockd.backend.Bookkeeping`: counters, hooks, the
     heap of lease and grace ends)."""
 
@@ -120,7 +119,7 @@ class Ledger(Bookkeeping):
         super().__init__(max_holds=max_holds, max_waiters=max_waiters)
         self.token_floor = 0
         self.sessions: dict[str, ClusterSession] = {}
-        self.by_lease: dict[int, ClusterSession] = {}
+        self.by_tag: dict[int, ClusterSession] = {}
         self.sessions_lost = 0
         self.local_waiting = 0
         #: The waiting request of each session that has one, by session id.
@@ -134,8 +133,8 @@ class Ledger(Bookkeeping):
         wait = self.waits.get(session.id)
         if wait is not None and wait.session is session:
             del self.waits[session.id]
-        if self.by_lease.get(session.lease) is session:
-            del self.by_lease[session.lease]
+        if self.by_tag.get(session.tag) is session:
+            del self.by_tag[session.tag]
 
     def suspended_wait(self, session: ClusterSession) -> ClusterWait | None:
         """The wait a hand-over stopped for ``session``, to be waited on for it."""
@@ -144,9 +143,9 @@ class Ledger(Bookkeeping):
             return None
         return wait
 
-    def local_hold(self, lease: int, key: bytes) -> ClusterHold | None:
-        """The exclusive hold on ``key`` of this node's session with ``lease``."""
-        session = self.by_lease.get(lease)
+    def local_hold(self, tag: int, key: bytes) -> ClusterHold | None:
+        """The exclusive hold on ``key`` of this node's session ``tag``."""
+        session = self.by_tag.get(tag)
         hold = session.exclusive.get(key) if session is not None else None
         return hold if isinstance(hold, ClusterHold) else None
 

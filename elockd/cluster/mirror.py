@@ -36,19 +36,22 @@ QueueId = tuple[bytes, bytes]  # (kind, lock name)
 
 WAITING = 0
 GRANTED = 1
-LOST = 2  # its entry vanished before the grant (session lease lost)
+LOST = 2  # its entry vanished before the grant (its node's lease ran out)
 CANCELLED = 3
 
 
 class Entry:
     """One queue entry as the mirror knows it."""
 
-    __slots__ = ("etcd_key", "held", "lease", "limit", "owner", "rank", "revision", "ttl")
+    __slots__ = ("etcd_key", "held", "lease", "limit", "owner", "rank", "revision", "tag", "ttl")
 
-    def __init__(self, etcd_key: bytes, revision: int, lease: int, value: EntryValue) -> None:
+    def __init__(
+        self, etcd_key: bytes, revision: int, tag: int, lease: int, value: EntryValue
+    ) -> None:
         self.etcd_key = etcd_key
         self.revision = revision
-        self.lease = lease
+        self.tag = tag  # the session's, from the key
+        self.lease = lease  # the etcd lease of the node serving the session
         self.limit = value.limit
         self.held = value.held
         self.ttl = value.ttl
@@ -171,8 +174,8 @@ class QueueMirror:
         self.revision = 0
         self.queues: dict[QueueId, Queue] = {}
         self._located: dict[bytes, tuple[QueueId, int]] = {}  # etcd key -> where it is
-        # Every entry by the lease it is bound to: etcd key -> create revision.
-        self.by_lease: dict[int, dict[bytes, int]] = {}
+        # Every entry by its session's tag: etcd key -> create revision.
+        self.by_tag: dict[int, dict[bytes, int]] = {}
         self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
         self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
         self.on_other = on_other  # events on keys that are not queue entries
@@ -193,7 +196,7 @@ class QueueMirror:
         """Start over from a range read at ``revision``, then judge every waiter."""
         self.queues.clear()
         self._located.clear()
-        self.by_lease.clear()
+        self.by_tag.clear()
         self._reset_counts()
         self.revision = revision
         for kv in kvs:
@@ -241,7 +244,7 @@ class QueueMirror:
         name = self.layout.parse_entry(kv.key)
         if name is None:
             return None
-        entry = Entry(kv.key, kv.create_revision, name.lease, parse_entry_value(kv.value))
+        entry = Entry(kv.key, kv.create_revision, name.tag, kv.lease, parse_entry_value(kv.value))
         shared = name.queue[0] == SHARED
         queue = self.queues.get(name.queue)
         if queue is None:
@@ -257,7 +260,7 @@ class QueueMirror:
         else:
             self.exclusive_entries += old is None
         self._located[kv.key] = (name.queue, kv.create_revision)
-        self.by_lease.setdefault(name.lease, {})[kv.key] = kv.create_revision
+        self.by_tag.setdefault(name.tag, {})[kv.key] = kv.create_revision
         return name.queue
 
     def _remove(self, queue_id: QueueId, revision: int) -> None:
@@ -281,11 +284,29 @@ class QueueMirror:
         name = self.layout.parse_entry(etcd_key)
         if name is None:
             return
-        entries = self.by_lease.get(name.lease)
+        entries = self.by_tag.get(name.tag)
         if entries is not None:
             entries.pop(etcd_key, None)
             if not entries:
-                del self.by_lease[name.lease]
+                del self.by_tag[name.tag]
+
+    def entry(self, etcd_key: bytes) -> Entry | None:
+        """The entry at ``etcd_key``, as far as the mirror has got."""
+        where = self._located.get(etcd_key)
+        if where is None:
+            return None
+        queue = self.queues.get(where[0])
+        return None if queue is None else queue.entries.get(where[1])
+
+    def entries_on(self, tag: int, lease: int) -> list[tuple[bytes, int]]:
+        """(etcd key, create revision) of every entry of the session ``tag`` that is
+        bound to ``lease``: what a node may free for a session of its own."""
+        found = []
+        for etcd_key, revision in self.by_tag.get(tag, {}).items():
+            entry = self.entry(etcd_key)
+            if entry is not None and entry.lease == lease:
+                found.append((etcd_key, revision))
+        return found
 
     # ---------------------------------------------------------------- waiters
 

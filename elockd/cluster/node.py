@@ -2,12 +2,14 @@
 
 Joining loads the token floor (the first node of a new cluster writes it), starts
 the node's heartbeat (a key under a short lease of its own, by which other nodes
-judge whether its sessions may be taken over) and loads the mirror of every queue.
-Then, until cancelled, three loops run side by side: the watch that keeps the
-mirror current (and reloads it when etcd has compacted past it), the heartbeat, and
-the keepalive of every session lease (every TTL/3), each round of which ends with
-the sweep of stray entries. Leaving revokes the node's sessions, so their locks go
-at once rather than after the session TTL.
+judge whether its sessions may be taken over), gets the node's lease that every
+session record and entry of the node hangs on (``--session-ttl``), and loads the
+mirror of every queue. Then, until cancelled, three loops run side by side: the
+watch that keeps the mirror current (and reloads it when etcd has compacted past
+it), the heartbeat, and the keepalive of the node's lease (every TTL/3, one call
+however many sessions), each round of which ends with the sweep of stray entries.
+Leaving revokes the node's lease, so its sessions' locks go at once rather than
+after the session TTL.
 
 These are the node's own loops; a request never runs them. What they find, a
 session lost or claimed elsewhere, they hand to :mod:`.ownership`, which decides
@@ -17,6 +19,7 @@ what it means for the session.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -55,21 +58,24 @@ class ClusterNode:
         self.session_ttl = ownership.session_ttl
         self.mirror = mirror
         self._node_lease = 0
-        #: A predecessor's heartbeat lease, taken over with its books (docs/upgrade.md).
+        #: A predecessor's heartbeat lease and the lease its sessions hang on (with
+        #: the seconds it had left), taken over with its books (docs/upgrade.md).
         self.adopted_lease = 0
+        self.adopted_sessions_lease: tuple[int, float] = (0, 0.0)
         #: Sessions taken over whose connection could not move (TLS): they end by
         #: their usual rules once the node runs, since ending writes to etcd.
         self.ended_at_join: list[ClusterSession] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Join the cluster, then keep leases alive and the mirror current until
-        cancelled; on the way out, revoke this node's sessions so their locks go at
-        once rather than after the session TTL."""
+        cancelled; on the way out, revoke the node's lease so its sessions' locks go
+        at once rather than after the session TTL."""
         await self.calls.until_answered(self._load_token_floor)
         if self.adopted_lease:
             self._node_lease = await self.calls.until_answered(self._adopt_heartbeat)
         else:
             self._node_lease = await self.calls.until_answered(self._start_heartbeat)
+        await self.calls.until_answered(self._adopt_or_grant_sessions_lease)
         await self.calls.until_answered(self._load_mirror)
         if self.adopted_lease:
             # Records claimed elsewhere while the predecessor was handing over.
@@ -94,6 +100,7 @@ class ClusterNode:
                     async with trio.open_nursery() as ends:
                         ends.start_soon(self.ownership.end_all)
                         ends.start_soon(self.calls.revoke_quietly, self._node_lease)
+                    self.ownership.set_lease(0, math.inf)
 
     # ------------------------------------------------------------------- join
 
@@ -131,6 +138,26 @@ class ClusterNode:
     def heartbeat_lease(self) -> int:
         return self._node_lease
 
+    async def _adopt_or_grant_sessions_lease(self) -> None:
+        """The lease the sessions hang on: the predecessor's, if it still lives (a
+        hand-over), else a new one, and with it every adopted session is lost."""
+        lease, _ = self.adopted_sessions_lease
+        if lease:
+            sent = trio.current_time()
+            remaining = await self.client.lease_keepalive(lease)
+            if remaining:
+                self.ownership.set_lease(lease, sent + remaining)
+                return
+            self.ownership.set_lease(lease, math.inf)
+            self.ownership.lease_gone("the node's etcd lease ran out during the hand-over")
+        await self._grant_sessions_lease()
+
+    async def _grant_sessions_lease(self) -> None:
+        sent = trio.current_time()
+        lease, ttl = await self.client.lease_grant(self.session_ttl)
+        self.ownership.set_lease(lease, sent + ttl)
+        self.ownership.lease_wanted = trio.Event()
+
     async def _load_mirror(self) -> None:
         queues = self.layout.queues
         revision, kvs, _ = await self.client.get(queues, prefix_end(queues))
@@ -159,24 +186,45 @@ class ClusterNode:
                         await trio.sleep(0.5)
 
     async def _keep_alive(self) -> None:
-        """Every TTL/3: one keepalive per live session lease, then the stray sweep."""
+        """Every TTL/3 (at once when the lease is gone): one keepalive of the node's
+        lease, or a new lease, then the stray sweep."""
         period = self.session_ttl / 3
+        ownership = self.ownership
         while True:
-            await trio.sleep(period)
-            self._fail_unreachable_sessions(trio.current_time())
-            async with trio.open_nursery() as nursery:
-                for session in list(self.ledger.sessions.values()):
-                    if session.lease and not session.lost:
-                        nursery.start_soon(self._keep_session_alive, session)
+            with trio.move_on_after(period):
+                await ownership.lease_wanted.wait()
+            if self.calls.handed_over:
+                return  # the successor keeps the lease alive now
+            if trio.current_time() > ownership.lease_expires_at:
+                # etcd may have expired the lease: the sessions' holds are no longer
+                # this node's to promise. Fail closed.
+                ownership.lease_gone("etcd was not reached for a whole session TTL")
+            try:
+                await self._keep_lease_alive()
+            except (EtcdUnavailable, EtcdError):
+                self.calls.unavailable("node lease keepalive")
+                await trio.sleep(0.5 if not ownership.lease else 0)
+                continue
             if not self.calls.frozen:  # whoever serves on sweeps
                 await self._sweep()
 
-    def _fail_unreachable_sessions(self, now: float) -> None:
-        for session in list(self.ledger.sessions.values()):
-            if session.lease and not session.lost and now > session.expires_at:
-                # etcd may have expired the lease: its holds are no longer this
-                # node's to promise. Fail closed.
-                self.ownership.lose(session, "etcd was not reached for a whole session TTL")
+    async def _keep_lease_alive(self) -> None:
+        ownership = self.ownership
+        lease = ownership.lease
+        if not lease:
+            if self.calls.frozen:
+                await self.calls.thawed()  # or whoever serves on gets one
+            else:
+                await self._grant_sessions_lease()
+            return
+        sent = trio.current_time()
+        remaining = await self.client.lease_keepalive(lease)
+        if ownership.lease != lease:
+            return
+        if remaining == 0:
+            ownership.lease_gone("etcd expired the node's lease")
+        else:
+            ownership.lease_expires_at = sent + remaining
 
     async def _heartbeat(self) -> None:
         """The node's own lease, renewed in a loop of its own (a slow session
@@ -199,36 +247,29 @@ class ClusterNode:
     def _heartbeat_ttl(self) -> int:
         return max(2, self.session_ttl // 2)
 
-    async def _keep_session_alive(self, session: ClusterSession) -> None:
-        lease = session.lease
-        sent = trio.current_time()
-        try:
-            remaining = await self.client.lease_keepalive(lease)
-        except (EtcdUnavailable, EtcdError):
-            self.calls.unavailable("session keepalive")
-            return
-        if session.lease != lease:
-            return
-        if remaining == 0:
-            self.ownership.lose(session, "its etcd lease expired")
-        else:
-            session.expires_at = sent + remaining
-
     async def _sweep(self) -> None:
-        """Delete entries of this node's sessions that no hold and no running request
+        """Delete entries on the node's lease that no hold and no running request
         owns: left by a free that etcd refused, a request cancelled while its txn
-        was in flight, or an answer lost after a commit. Judged on the mirror, and
-        every delete is guarded by the entry's revision and the session record."""
-        for lease, entries in list(self.mirror.by_lease.items()):
-            session = self.ledger.by_lease.get(lease)
-            if session is None or session.lost:
+        was in flight, an answer lost after a commit, or a session this node no
+        longer has. Judged on the mirror, and every delete is guarded by the entry's
+        revision (and by the session record, for a session the node still has)."""
+        lease = self.ownership.lease
+        if not lease:
+            return
+        for tag in list(self.mirror.by_tag):
+            session = self.ledger.by_tag.get(tag)
+            if session is not None and session.lost:
                 continue
-            held = dict(self.ownership.entries(self.ledger.holds(session)))
-            strays = [
-                (key, revision)
-                for key, revision in entries.items()
-                if key not in session.pending and held.get(key) != revision
-            ]
+            entries = self.mirror.entries_on(tag, lease)
+            if session is None:
+                strays = entries
+            else:
+                held = dict(self.ownership.entries(self.ledger.holds(session)))
+                strays = [
+                    (key, revision)
+                    for key, revision in entries
+                    if key not in session.pending and held.get(key) != revision
+                ]
             if strays:
                 try:
                     await self.ownership.delete_entries(session, strays)

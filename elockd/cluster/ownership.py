@@ -1,27 +1,33 @@
 """Session ownership: which node serves a session, proven in etcd, and how it ends.
 
-The counterpart of etcd's ``concurrency/session.go``. A session that takes a lock
-gets one etcd lease (``--session-ttl``); every queue entry it creates is bound to
-that lease, so one revoke frees everything it had, and a dead node's sessions are
-freed by etcd when their leases run out. Its record (``<root>s/<hash of id>``, see
-:class:`~elockd.cluster.layout.SessionRecord`) names the node that serves it. Every
-write that frees something of a session compares the record's revision with this
-node's last write of it (:meth:`SessionOwnership.record_guard`): a node that lost a
-session to a ``conn_id`` elsewhere, through a pause or a late timer, frees nothing.
+The counterpart of etcd's ``concurrency/session.go``, with one etcd lease per node
+rather than per session (as etcd's own lock service shares one among a session's
+locks): keepalives grow with nodes, not sessions. A session that takes a lock gets
+a random *tag*, which names it in its entries' keys, and a record
+(``<root>s/<hash of id>``, see :class:`~elockd.cluster.layout.SessionRecord`) that
+names the node serving it and its tag. Its record and entries hang on that node's
+lease (``--session-ttl``), so a dead node's sessions are freed by etcd when its lease
+runs out. Every write that frees something of a session compares the record's
+revision with this node's last write of it (:meth:`SessionOwnership.record_guard`):
+a node that lost a session to a ``conn_id`` elsewhere, through a pause or a late
+timer, frees nothing.
 
 Here too is how a session ends, by the same rules as the in-memory engine: plain
 holds follow the session's grace time, holds with ``ttl=`` outlive the connection
 until they expire (this node runs both timers), and ``conn_id ID`` takes over a
 session that lives on without a connection, on this node or, once its node is
-gone, on another. Kept apart from the lock recipe (:mod:`.recipe`), which only asks
-for a session's lease and guard, and from the node's loops (:mod:`.node`), which
-only tell it when a session was lost or moved.
+gone, on another, which moves the session's entries onto its own lease in one
+guarded transaction. Kept apart from the lock recipe (:mod:`.recipe`), which only
+asks for a session's tag, the node's lease and the guard, and from the node's loops
+(:mod:`.node`), which keep the lease alive and tell it when a session was lost or
+moved.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import math
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,8 +36,6 @@ import trio
 from elockd.backend import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED, BackendUnavailable
 from elockd.cluster.calls import EtcdCalls
 from elockd.cluster.etcd_client import (
-    EtcdError,
-    EtcdUnavailable,
     Event,
     KeyValue,
     compare_create,
@@ -52,31 +56,46 @@ from elockd.cluster.layout import (
     parse_record,
 )
 from elockd.cluster.ledger import ClusterHold, ClusterSession, Ledger
-from elockd.cluster.mirror import granted_kvs
+from elockd.cluster.mirror import QueueMirror, granted_kvs
 from elockd.sessions import Session
 
 log = logging.getLogger("elockd.cluster")
 
 #: Guarded deletes per txn: etcd's default --max-txn-ops is 128.
 DELETES_PER_TXN = 64
+#: Entries moved per txn by a takeover: a compare and a put each, and the guard.
+MOVES_PER_TXN = 40
 
 
 class SessionOwnership:
-    """This node's claim on its sessions in etcd: their leases and records, their
-    ends (disconnect, grace, ``ttl=`` expiry, loss, a move to another node), and
-    their takeover with ``conn_id``."""
+    """This node's claim on its sessions in etcd: the node's lease their keys hang
+    on, their records, their ends (disconnect, grace, ``ttl=`` expiry, loss, a move
+    to another node), and their takeover with ``conn_id``."""
 
     def __init__(
-        self, calls: EtcdCalls, ledger: Ledger, layout: Layout, node_id: str, session_ttl: int
+        self,
+        calls: EtcdCalls,
+        ledger: Ledger,
+        layout: Layout,
+        mirror: QueueMirror,
+        node_id: str,
+        session_ttl: int,
     ) -> None:
         self.calls = calls
         self.client = calls.client
         self.ledger = ledger
         self.layout = layout
+        self.mirror = mirror
         self.node_id = node_id
         self.session_ttl = session_ttl
+        #: The etcd lease every record and entry of this node's sessions hangs on
+        #: (0 until the node has joined, and after etcd let it run out until the
+        #: node has a new one), and when etcd may drop it, by this node's clock.
+        self.lease = 0
+        self.lease_expires_at = math.inf
+        #: Set when the lease is gone: the node gets a new one at once.
+        self.lease_wanted = trio.Event()
         self._taking: set[str] = set()  # session ids a conn_id is taking over now
-        self._revoking: set[int] = set()  # leases of ended sessions not revoked yet
 
     def open_session(self, session_id: str, peer: bytes) -> ClusterSession:
         session = ClusterSession(session_id, peer)
@@ -85,21 +104,54 @@ class SessionOwnership:
 
     # ------------------------------------------------------- lease and record
 
-    async def ensure_lease(self, session: ClusterSession) -> int:
-        """The session's etcd lease, granted (and its record written) on first use."""
+    def current_lease(self) -> int:
+        """The node's lease, for a write: never 0, which would make a key that
+        outlives the node."""
+        if not self.lease:
+            raise BackendUnavailable("this node has no etcd lease (etcd let it run out)")
+        return self.lease
+
+    def set_lease(self, lease: int, expires_at: float) -> None:
+        """The node's (new or kept) lease, from its keepalive loop or a hand-over."""
+        self.lease = lease
+        self.lease_expires_at = expires_at
+
+    def lease_gone(self, why: str) -> None:
+        """etcd no longer has the node's lease, or may not: every session that wrote
+        anything there is lost. Not while a hand-over copies the books: whoever
+        serves on finds out at its first keepalive."""
+        if self.calls.frozen or not self.lease:
+            return
+        self.lease = 0
+        self.lease_expires_at = math.inf
+        for session in list(self.ledger.sessions.values()):
+            if session.tag:
+                self.lose(session, why)
+        self.lease_wanted.set()
+
+    async def ensure_record(self, session: ClusterSession) -> int:
+        """The session's tag, given (and its record written) on first use."""
         if session.lost:
             raise BackendUnavailable("session lost")
-        if not session.lease:
-            sent = trio.current_time()
-            lease, ttl = await self.calls.etcd(self.client.lease_grant(self.session_ttl))
-            session.lease = lease
-            session.expires_at = sent + ttl
-            self.ledger.by_lease[lease] = session
+        self.current_lease()
+        if not session.tag:
+            session.tag = self._new_tag()
+            self.ledger.by_tag[session.tag] = session
         # Also after a write whose answer was lost: every free is guarded by the
         # record's revision, so it must be known before anything is taken.
         if not session.record_revision and not await self.write_record(session, connected=True):
             raise BackendUnavailable("session taken over by another node")
-        return session.lease
+        return session.tag
+
+    def _new_tag(self) -> int:
+        """A random tag, unique among this node's sessions. Tags of sessions on other
+        nodes never meet this node's in a key that matters: each entry key also
+        carries the lock, and a collision across nodes (1 in 2**63 per pair) would
+        need both sessions in one queue."""
+        while True:
+            tag = secrets.randbits(63)
+            if tag and tag not in self.ledger.by_tag:
+                return tag
 
     def record_guard(self, session: ClusterSession) -> dict[str, Any]:
         """A compare that holds only while this node still owns the session: every
@@ -108,15 +160,17 @@ class SessionOwnership:
         return compare_mod(self.layout.session_record(session.id), "==", session.record_revision)
 
     def _record_value(self, session: ClusterSession, *, connected: bool) -> bytes:
-        return encode_record(SessionRecord(self.node_id, connected, round(session.grace * 1000)))
+        grace_ms = round(session.grace * 1000)
+        return encode_record(SessionRecord(self.node_id, connected, grace_ms, session.tag))
 
     async def write_record(self, session: ClusterSession, *, connected: bool | None = None) -> bool:
         """Write the session's record, guarded by our last write of it: False when
         another node has claimed the session meanwhile (it is then let go here)."""
         async with session.record_lock:  # one write at a time, each on the last one
             for _ in range(3):
-                if not session.lease or session.lost:
-                    return False  # ended meanwhile: a record without its lease would stay
+                if not session.tag or session.lost or not self.lease:
+                    return False  # ended or lost meanwhile
+                lease = self.lease
                 record_key = self.layout.session_record(session.id)
                 # Unless told, the state at the time of the write: writes queued
                 # behind each other then end on the session's latest state.
@@ -127,7 +181,7 @@ class SessionOwnership:
                     if session.record_revision
                     else compare_create(record_key, "==", 0)
                 )
-                put = put_op(record_key, value, session.lease)
+                put = put_op(record_key, value, lease)
                 result = await self.calls.etcd(
                     self.client.txn([guard], [put], [range_op(record_key)]), session
                 )
@@ -135,7 +189,7 @@ class SessionOwnership:
                     session.record_revision = result.revision
                     return True
                 found = result.kvs(0)
-                if not found or found[0].lease != session.lease:
+                if not found or found[0].lease != lease:
                     break
                 if parse_record(found[0].value).node != self.node_id:
                     break  # another node claimed it
@@ -152,33 +206,35 @@ class SessionOwnership:
     def entry_key(self, hold: ClusterHold) -> bytes:
         session = hold.session
         assert isinstance(session, ClusterSession)
-        return self.layout.entry(SHARED if hold.shared else EXCLUSIVE, hold.key, session.lease)
+        return self.layout.entry(SHARED if hold.shared else EXCLUSIVE, hold.key, session.tag)
 
     def entries(self, holds: Sequence[ClusterHold]) -> list[tuple[bytes, int]]:
         """(etcd key, create revision) of each hold's entry: what a guarded delete takes."""
         return [(self.entry_key(h), h.revision) for h in holds]
 
     async def delete_entries(
-        self, session: ClusterSession, entries: Sequence[tuple[bytes, int]]
+        self, session: ClusterSession | None, entries: Sequence[tuple[bytes, int]]
     ) -> None:
-        """Delete entries of this session, each only if it is still the one created
-        at its revision (the session itself may have re-created the key since), and
-        all only while this node still owns the session."""
+        """Delete entries, each only if it is still the one created at its revision
+        (the session itself may have re-created the key since), and all only while
+        this node still owns ``session``; with None, entries of a session this node
+        no longer has (strays on its lease, see the node's sweep)."""
         deletes = [
             txn_op([compare_create(key, "==", revision)], [delete_op(key)])
             for key, revision in entries
         ]
+        guard = [] if session is None else [self.record_guard(session)]
         # etcd allows 128 operations per txn (--max-txn-ops) by default.
         for start in range(0, len(deletes), DELETES_PER_TXN):
             batch = deletes[start : start + DELETES_PER_TXN]
-            await self.calls.etcd(self.client.txn([self.record_guard(session)], batch), session)
+            await self.calls.etcd(self.client.txn(guard, batch), session)
 
     # ------------------------------------------------------------------- ends
 
     def disconnect(self, session: Session, now: float) -> None:
         """The connection is gone: plain holds go now (grace 0) or when the grace time
-        ends; holds with a lease stay. The session's etcd lease is revoked once it
-        holds nothing, which frees every entry in one step."""
+        ends; holds with a lease stay. Once the session holds nothing, its record
+        and every entry left are deleted."""
         assert isinstance(session, ClusterSession)
         session.connected = False
         session.abort = None
@@ -189,7 +245,7 @@ class SessionOwnership:
             session.pending.difference_update(stopped.entries)
             entries = [(e, stopped.revision) for e in stopped.entries]
             self.calls.spawn(lambda: self.delete_entries(session, entries), "end a wait")
-        if session.grace > 0 and session.lease and not session.lost:
+        if session.grace > 0 and session.tag and not session.lost:
             self.ledger.start_grace(session, now)
             self.calls.spawn(lambda: self.write_record(session), "session record")
         else:
@@ -213,13 +269,13 @@ class SessionOwnership:
         shared = sum(hold.shared for hold in plain)
         ledger.shared_orphans += shared
         ledger.orphans += len(plain) - shared
+        entries = self.entries(plain)
         for hold in plain:
             ledger.drop(hold, now)
         if plain and ledger.on_session_end is not None:
             ledger.on_session_end(session, len(plain) - shared, shared, why)
-        if session.lease and not session.lost and not session.is_empty():
+        if session.tag and not session.lost and not session.is_empty():
             # Leases live on: free only the plain holds, keep the session for conn_id.
-            entries = self.entries(plain)
 
             async def free_orphans() -> None:
                 # In this order: the record write moves the guard the deletes carry.
@@ -228,7 +284,7 @@ class SessionOwnership:
 
             self.calls.spawn(free_orphans, "free orphaned holds")
             return
-        self._forget(session)
+        self._forget(session, entries)
 
     def _expire(self, hold: ClusterHold, now: float) -> None:
         """A ``ttl=`` lease ran out: this node frees it (guarded by its revision)."""
@@ -237,33 +293,45 @@ class SessionOwnership:
         self.ledger.expired += 1
         entries = self.entries([hold])
         self.ledger.drop(hold, now)
-        self.calls.spawn(lambda: self.delete_entries(session, entries), "expire a lease")
         if not session.connected and session.grace_deadline is None and session.is_empty():
-            self._forget(session)
+            self._forget(session, entries)
+        else:
+            self.calls.spawn(lambda: self.delete_entries(session, entries), "expire a lease")
 
-    def _forget(self, session: ClusterSession) -> None:
-        """The session is over: delete its record (guarded: only while it is still
-        ours), then revoke its lease, which takes every entry with it."""
+    def _forget(self, session: ClusterSession, freed: Sequence[tuple[bytes, int]] = ()) -> None:
+        """The session is over: delete its entries (``freed``, and any other of its
+        entries on this node's lease) and then its record, all guarded by the
+        record (only while it is still ours)."""
         self.ledger.let_go(session)
-        lease = session.lease
-        session.lease = 0
-        if not lease or session.lost:
+        tag = session.tag
+        session.tag = 0  # no record write from now on
+        if not tag or session.lost or not self.lease:
             return
-        record_key = self.layout.session_record(session.id)
-        record_revision = session.record_revision
-        self._revoking.add(lease)
+        entries = dict(freed)
+        entries.update(self.mirror.entries_on(tag, self.lease))
 
         async def end() -> None:
-            result = await self.client.txn(
-                [compare_mod(record_key, "==", record_revision)], [delete_op(record_key)]
-            )
-            if not result.succeeded:
-                _, found, _ = await self.client.get(record_key)
-                if found and found[0].mod_revision != session.record_revision:
-                    self._revoking.discard(lease)
-                    return  # written since, by another node (or a new owner here)
-            await self.client.lease_revoke(lease)
-            self._revoking.discard(lease)
+            async with session.record_lock:  # after a record write under way
+                revision = session.record_revision
+            if not revision:
+                return  # never written: nothing of it can be in etcd
+            record_key = self.layout.session_record(session.id)
+            guard = [compare_mod(record_key, "==", revision)]
+            deletes = [
+                txn_op([compare_create(key, "==", created)], [delete_op(key)])
+                for key, created in entries.items()
+            ]
+            # The record goes last, with the last batch: if a txn fails midway, the
+            # record and the guard stay, and the sweep frees the rest.
+            batches = [
+                deletes[i : i + DELETES_PER_TXN] for i in range(0, len(deletes), DELETES_PER_TXN)
+            ]
+            batches = batches or [[]]
+            batches[-1].append(delete_op(record_key))
+            for batch in batches:
+                result = await self.calls.etcd(self.client.txn(guard, batch))
+                if not result.succeeded:
+                    return  # claimed by another node since: its to free
 
         self.calls.spawn(end, "end a session")
 
@@ -299,18 +367,26 @@ class SessionOwnership:
             session.abort()
         self.ledger.let_go(session)
 
+    def _claimed_elsewhere(self, record: KeyValue) -> ClusterSession | None:
+        """This node's session whose record another node has written since ours."""
+        state = parse_record(record.value)
+        session = self.ledger.by_tag.get(state.tag) if state.tag else None
+        if (
+            session is not None
+            and record.mod_revision > session.record_revision
+            and state.node != self.node_id
+        ):
+            return session
+        return None
+
     def record_changed(self, event: Event) -> None:
         """A session record claimed by another node (``conn_id`` there): the
         mirror's hook for every watched key outside the queues."""
-        kv = event.kv
-        if event.type == "DELETE" or not kv.key.startswith(self.layout.sessions):
+        if event.type == "DELETE" or not event.kv.key.startswith(self.layout.sessions):
             return
-        session = self.ledger.by_lease.get(kv.lease)
-        if session is None or kv.mod_revision <= session.record_revision:
-            return
-        node = parse_record(kv.value).node
-        if node != self.node_id:
-            self.moved(session, f"node {node} claimed it")
+        session = self._claimed_elsewhere(event.kv)
+        if session is not None:
+            self.moved(session, f"node {parse_record(event.kv.value).node} claimed it")
 
     async def recheck_records(self) -> None:
         """After the mirror was reloaded: the session-record changes the watch
@@ -319,40 +395,15 @@ class SessionOwnership:
         sessions = self.layout.sessions
         _, records, _ = await self.client.get(sessions, prefix_end(sessions))
         for record in records:
-            session = self.ledger.by_lease.get(record.lease)
-            if (
-                session is not None
-                and record.mod_revision > session.record_revision
-                and parse_record(record.value).node != self.node_id
-            ):
+            session = self._claimed_elsewhere(record)
+            if session is not None:
                 self.moved(session, "claimed by another node while the watch was behind")
-
-    async def end_all(self) -> None:
-        """The node is leaving: revoke every session's lease, so their locks go at
-        once rather than after the session TTL, and the leases of sessions that
-        ended but were not revoked yet."""
-        async with trio.open_nursery() as ends:
-            for session in self.ledger.sessions.values():
-                if session.lease and not session.lost:
-                    ends.start_soon(self._end_at_shutdown, session)
-            for lease in list(self._revoking):
-                ends.start_soon(self.calls.revoke_quietly, lease)
-
-    async def _end_at_shutdown(self, session: ClusterSession) -> None:
-        """Revoke a session's lease, unless another node has just claimed it."""
-        record_key = self.layout.session_record(session.id)
-        with contextlib.suppress(EtcdUnavailable, EtcdError):
-            result = await self.client.txn(
-                [compare_mod(record_key, "==", session.record_revision)], [delete_op(record_key)]
-            )
-            if result.succeeded:
-                await self.client.lease_revoke(session.lease)
 
     # --------------------------------------------------------------- takeover
 
     async def take_over(self, session_id: str, current: ClusterSession) -> ClusterSession | None:
         """``conn_id ID``: a disconnected session of this node, or one whose node
-        is gone (its heartbeat expired) while the session's lease still lives."""
+        is gone (its heartbeat expired) while that node's lease still lives."""
         if not current.is_empty() or session_id in self._taking:
             return None  # one takeover of a session at a time on this node
         self._taking.add(session_id)
@@ -364,12 +415,12 @@ class SessionOwnership:
     async def _take_over(self, session_id: str, current: ClusterSession) -> ClusterSession | None:
         local = self.ledger.sessions.get(session_id)
         if local is not None:
-            if local.connected or local.lost or not local.lease:
+            if local.connected or local.lost or not local.tag:
                 return None
             # etcd first: if the record cannot be written, nothing changed here.
             if not await self.write_record(local, connected=True):
                 return None
-            if local.lost or not local.lease or self.ledger.sessions.get(session_id) is not local:
+            if local.lost or not local.tag or self.ledger.sessions.get(session_id) is not local:
                 return None  # its grace or last lease ended while the record was written
             self._adopt_local(local, current)
             return local
@@ -379,25 +430,28 @@ class SessionOwnership:
         self, session_id: str, current: ClusterSession
     ) -> ClusterSession | None:
         etcd = self.calls.etcd
+        lease = self.current_lease()
         record_key = self.layout.session_record(session_id)
         _, kvs, _ = await etcd(self.client.get(record_key))
         if not kvs:
             return None
         record = kvs[0]
         state = parse_record(record.value)
+        if not state.tag or state.tag in self.ledger.by_tag:
+            return None  # written by a node with a lease per session; or a tag in use here
         if state.connected:
             _, alive, _ = await etcd(self.client.get(self.layout.node(state.node)))
             if alive:
                 return None
         session = ClusterSession(session_id, current.peer)
         session.name = current.name
-        session.lease = record.lease
+        session.tag = state.tag
         session.grace = state.grace_ms / 1000
         value = self._record_value(session, connected=True)
         claimed = await etcd(
             self.client.txn(
                 [compare_mod(record_key, "==", record.mod_revision)],
-                [put_op(record_key, value, record.lease)],
+                [put_op(record_key, value, lease)],
                 [range_op(record_key)],
             )
         )
@@ -408,32 +462,35 @@ class SessionOwnership:
             if not (found and found[0].value == value):
                 return None
             session.record_revision = found[0].mod_revision  # our retried claim
-        # Its old node no longer keeps the lease alive: refresh it before anything.
-        sent = trio.current_time()
-        remaining = await etcd(self.client.lease_keepalive(record.lease))
-        if remaining == 0:
-            return None
-        session.expires_at = sent + remaining
-        # Adopt before the session is known here: until it holds its holds, the
-        # stray sweep must not see its entries. If adopting fails, nobody keeps its
-        # lease alive and etcd frees everything after the TTL.
+        # Known by its tag before its entries move onto this node's lease, so the
+        # stray sweep counts them as a session's. If moving them fails, the old
+        # node's lease frees what did not move, and the sweep what did.
+        self.ledger.by_tag[session.tag] = session
         try:
-            await self._adopt_entries(session)
-            # Nobody kept the lease alive while adopting: if it ran out meanwhile,
-            # etcd freed the entries just read. A live lease proves they are intact.
-            sent = trio.current_time()
-            remaining = await etcd(self.client.lease_keepalive(record.lease))
+            await self._adopt_entries(session, record.lease)
         except BackendUnavailable:
+            if self.ledger.by_tag.get(session.tag) is session:
+                del self.ledger.by_tag[session.tag]
             # Let a later conn_id (here or elsewhere) try again.
-            self.calls.spawn(lambda: self.write_record(session, connected=False), "session record")
+            self.calls.spawn(lambda: self._release_claim(session), "session record")
             raise
-        if remaining == 0 or session_id in self.ledger.sessions:
+        if session_id in self.ledger.sessions:
             return None
-        session.expires_at = sent + remaining
         self.ledger.sessions[session_id] = session
-        self.ledger.by_lease[session.lease] = session
         self._forget_empty(current)
         return session
+
+    async def _release_claim(self, session: ClusterSession) -> None:
+        """A takeover that failed: its record says nobody is connected, so another
+        ``conn_id`` may try (the record stays on this node's lease until then)."""
+        record_key = self.layout.session_record(session.id)
+        value = self._record_value(session, connected=False)
+        await self.calls.etcd(
+            self.client.txn(
+                [compare_mod(record_key, "==", session.record_revision)],
+                [put_op(record_key, value, self.current_lease())],
+            )
+        )
 
     def _adopt_local(self, target: ClusterSession, current: ClusterSession) -> None:
         self.ledger.adopt(target, current)
@@ -443,17 +500,16 @@ class SessionOwnership:
         session.connected = False
         self._forget(session)
 
-    async def _adopt_entries(self, session: ClusterSession) -> None:
-        """Rebuild the holds of a session taken over from a dead node. A request's
-        entries (one revision; several keys for ``mlock``) become holds when they
-        hold every lock they are in (a ``ttl`` restarts in full); others are left
-        to the stray sweep (:mod:`.node`), since their requests died with the old
-        connection."""
-        names = await self.calls.etcd(self.client.lease_keys(session.lease), session)
-        if names is None:
-            raise BackendUnavailable("session lease gone")
+    async def _adopt_entries(self, session: ClusterSession, old_lease: int) -> None:
+        """Take over the entries of a session whose node is gone: those of requests
+        that hold every lock they are in become holds here (a ``ttl`` restarts in
+        full) and move onto this node's lease; the others are deleted, since their
+        requests died with the old connection. Each move is guarded by our claim of
+        the record and the entry's create revision: if the old node's lease ran out
+        meanwhile, etcd has freed the entries, nothing moves, and the takeover fails."""
+        await self._mirror_reaches(session.record_revision)
         requests: dict[int, list[tuple[bytes, KeyValue]]] = {}
-        for etcd_key in names:
+        for etcd_key, _ in self.mirror.entries_on(session.tag, old_lease):
             name = self.layout.parse_entry(etcd_key)
             if name is None:
                 continue
@@ -468,10 +524,13 @@ class SessionOwnership:
             holding = position == 0 if name.kind == EXCLUSIVE else mine in granted_kvs(kvs)
             entries = requests.setdefault(mine.create_revision, [])
             entries.append((name.key if holding else b"", mine))
+        kept = [kv for es in requests.values() if all(k for k, _ in es) for _, kv in es]
+        strays = [kv for es in requests.values() if not all(k for k, _ in es) for _, kv in es]
+        await self._move_entries(session, kept, strays)
         now = trio.current_time()
         for revision, entries in requests.items():
             if any(not key for key, _ in entries):
-                continue  # a request that did not hold all its keys: a stray
+                continue  # a request that did not hold all its keys: deleted above
             for key, kv in entries:
                 name = self.layout.parse_entry(kv.key)
                 assert name is not None
@@ -481,3 +540,46 @@ class SessionOwnership:
                 if ttl is not None:
                     hold.ttl = ttl
                     self.ledger.set_lease(hold, now + ttl)
+
+    async def _move_entries(
+        self, session: ClusterSession, kept: list[KeyValue], strays: list[KeyValue]
+    ) -> None:
+        """Put ``kept`` onto this node's lease (a put keeps an entry's create
+        revision, hence its place in its queue and its token) and delete
+        ``strays``, in as few guarded txns as etcd allows."""
+        lease = self.current_lease()
+        guard = self.record_guard(session)
+        for start in range(0, max(len(kept), len(strays)), MOVES_PER_TXN):
+            moving = kept[start : start + MOVES_PER_TXN]
+            gone = strays[start : start + MOVES_PER_TXN]
+            result = await self.calls.etcd(
+                self.client.txn(
+                    [guard] + [compare_create(kv.key, "==", kv.create_revision) for kv in moving],
+                    [put_op(kv.key, kv.value, lease) for kv in moving]
+                    + [
+                        txn_op(
+                            [compare_create(kv.key, "==", kv.create_revision)], [delete_op(kv.key)]
+                        )
+                        for kv in gone
+                    ],
+                ),
+                session,
+            )
+            if not result.succeeded:
+                raise BackendUnavailable("the session's entries were freed while moving")
+
+    async def _mirror_reaches(self, revision: int) -> None:
+        """Wait until the mirror has seen ``revision``: it then knows every entry
+        created before it."""
+        with trio.move_on_after(self.client.deadline):
+            while self.mirror.revision < revision:
+                await trio.sleep(0.005)
+            return
+        raise BackendUnavailable("this node's watch is behind etcd")
+
+    async def end_all(self) -> None:
+        """The node is leaving: revoke its lease, so the locks of its sessions go at
+        once rather than after the session TTL. A session another node has taken
+        over has moved onto that node's lease and is not touched."""
+        if self.lease:
+            await self.calls.revoke_quietly(self.lease)

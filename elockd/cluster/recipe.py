@@ -2,7 +2,8 @@
 
 The counterpart of etcd's ``concurrency/mutex.go``, for exclusive, shared and
 multi-key locks. A request enters every queue it asks for in one transaction,
-bound to its session's lease (:mod:`.ownership`); it holds when the grant rule
+its entries named by its session's tag and bound to the node's lease
+(:mod:`.ownership`); it holds when the grant rule
 (:mod:`.mirror`) says so at the revision of that transaction, and otherwise waits
 until the node's mirror of the queues reaches a revision where it does. A try
 (``g``, ``lock K`` without a wait) enters only if the queue is empty, in the same
@@ -11,9 +12,10 @@ every node counts the same holders. Frees are guarded by the entry's revision an
 the session record: only the entry this request created, only while this node
 still owns the session.
 
-It asks :mod:`.ownership` for a session's lease, guard and guarded deletes, and
-writes grants and frees into the node's books (:mod:`.ledger`). It never ends a
-session itself and calls etcd only for a request that waits for the answer.
+It asks :mod:`.ownership` for a session's tag, the node's lease, the guard and
+guarded deletes, and writes grants and frees into the node's books
+(:mod:`.ledger`). It never ends a session itself and calls etcd only for a request
+that waits for the answer.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ class LockRecipe:
         self.ledger.check_hold_room(session, len(missing))
         if wait and any(self._waiting(kind, key) >= self.max_waiters for key in missing):
             raise QueueFull
-        lease = await self.ownership.ensure_lease(session)
-        entries = [self.layout.entry(kind, k, lease) for k in missing]
+        tag = await self.ownership.ensure_record(session)
+        entries = [self.layout.entry(kind, k, tag) for k in missing]
         # From here until the request ends, its entries are not strays, whatever
         # state the txns leave them in (see the node's sweep); after it, they are.
         session.pending.update(entries)
@@ -163,7 +165,7 @@ class LockRecipe:
         start: int,
     ) -> Grant:
         """One txn: if every key's queue is empty, enter them all."""
-        layout, lease = self.layout, session.lease
+        layout, lease = self.layout, self.ownership.current_lease()
         prefixes = [layout.queue_prefix(EXCLUSIVE, k) for k in keys]
         result = await self.calls.etcd(
             self.client.txn(
@@ -205,10 +207,11 @@ class LockRecipe:
         when unknown)."""
         prefixes = [self.layout.queue_prefix(kind, k) for k in keys]
         shared = kind == SHARED  # the shared rule needs every entry's limit
+        lease = self.ownership.current_lease()
         result = await self.calls.etcd(
             self.client.txn(
                 [compare_create(e, "==", 0) for e in entries],
-                [put_op(e, v, session.lease) for e, v in zip(entries, values, strict=True)]
+                [put_op(e, v, lease) for e, v in zip(entries, values, strict=True)]
                 + [
                     range_op(p, prefix_end(p), count_only=not shared, sort_by_create=shared)
                     for p in prefixes
@@ -326,7 +329,7 @@ class LockRecipe:
         queue = self.mirror.queues.get((EXCLUSIVE, key))
         if queue is None or not queue.revisions:
             return False
-        return queue.entries[queue.revisions[0]].lease != session.lease
+        return queue.entries[queue.revisions[0]].tag != session.tag
 
     def _granted(
         self,
@@ -356,11 +359,14 @@ class LockRecipe:
         self, entry: bytes, revision: int, limit: int, ttl: float | None, session: ClusterSession
     ) -> bool:
         """Record in etcd that a shared entry with a limit now holds (see
-        :mod:`.mirror`): False when the entry is gone (the session was lost)."""
+        :mod:`.mirror`): False when the entry is gone (the session was lost) or the
+        session is another node's now (the put would move the entry back here)."""
         value = entry_value(limit, ttl, session.owner, held=True, peer=session.peer)
+        lease = self.ownership.current_lease()
         result = await self.calls.etcd(
             self.client.txn(
-                [compare_create(entry, "==", revision)], [put_op(entry, value, session.lease)]
+                [compare_create(entry, "==", revision), self.ownership.record_guard(session)],
+                [put_op(entry, value, lease)],
             )
         )
         return result.succeeded
@@ -430,11 +436,9 @@ class LockRecipe:
         try answers from its txn), and that entry would keep the old owner."""
         session.name = name
         # Its holds and the entries of its requests still in flight (a wait).
-        keys = [
-            self.layout.entry(SHARED if hold.shared else EXCLUSIVE, hold.key, session.lease)
-            for hold in self.ledger.holds(session)
-        ]
+        keys = [self.ownership.entry_key(hold) for hold in self.ledger.holds(session)]
         keys += sorted(session.pending - set(keys))
+        lease = self.ownership.lease
         for start in range(0, len(keys), PUTS_PER_TXN):
             batch = keys[start : start + PUTS_PER_TXN]
             read = await self.calls.etcd(
@@ -443,8 +447,8 @@ class LockRecipe:
             puts = []
             for index, etcd_key in enumerate(batch):
                 found = read.kvs(index)
-                if not found or found[0].lease != session.lease:
-                    continue  # freed meanwhile
+                if not found or found[0].lease != lease:
+                    continue  # freed meanwhile, or moved to another node
                 entry = parse_entry_value(found[0].value)
                 value = entry_value(
                     entry.limit,
@@ -454,7 +458,7 @@ class LockRecipe:
                     rank=entry.rank,
                     peer=session.peer,
                 )
-                put = put_op(etcd_key, value, session.lease)
+                put = put_op(etcd_key, value, lease)
                 revision = found[0].create_revision
                 puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))
             if puts:

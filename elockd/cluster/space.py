@@ -4,21 +4,20 @@ etcd decides; a node only asks. :class:`ClusterLockSpace` is what the server, th
 cluster's verbs, ``q`` and /metrics hold on to, and it only puts together the
 parts, split as etcd's own client splits its ``concurrency`` package:
 
-* :mod:`.ownership`: session ownership (``session.go``): a session's etcd lease and
-  record, its ends (disconnect, grace, ``ttl=`` expiry, loss, a move elsewhere)
-  and its takeover with ``conn_id``;
+* :mod:`.ownership`: session ownership (``session.go``): the node's etcd lease a
+  session's keys hang on, the session's tag and record, its ends (disconnect,
+  grace, ``ttl=`` expiry, loss, a move elsewhere) and its takeover with ``conn_id``;
 * :mod:`.recipe`: the lock recipe (``mutex.go``): acquire, release, renew, and the
   reads behind ``i``, ``d`` and ``info``;
-* :mod:`.node`: the node's lifecycle: join, the watch, the heartbeat, the session
-  keepalives and the stray sweep, and leaving.
+* :mod:`.node`: the node's lifecycle: join, the watch, the heartbeat, the keepalive
+  of the node's lease and the stray sweep, and leaving.
 
 Under all three lie this node's books (:mod:`.ledger`: sessions, holds, deadlines,
 counters; pure), the one way they call etcd (:mod:`.calls`: a failed call fails
 closed with :class:`~elockd.backend.BackendUnavailable` and is counted), the keys
 and values (:mod:`.layout`) and the mirror of the queues with the grant rule
 (:mod:`.mirror`). A part reaches another only through the methods named here, so
-each can change (one lease per node instead of one per session, batched
-transactions) without the others.
+each can change (batched transactions, say) without the others.
 """
 
 from __future__ import annotations
@@ -130,11 +129,12 @@ class ClusterLockSpace:
         self.node_id = secrets.token_hex(8)
         self.ledger = ledger = Ledger(max_holds, max_waiters)
         self.calls = calls = EtcdCalls(client)
+        self.mirror = mirror = QueueMirror(layout)
         self.ownership = ownership = SessionOwnership(
-            calls, ledger, layout, self.node_id, session_ttl
+            calls, ledger, layout, mirror, self.node_id, session_ttl
         )
-        calls.on_lease_gone = ownership.lose
-        self.mirror = mirror = QueueMirror(layout, on_other=ownership.record_changed)
+        calls.on_lease_gone = ownership.lease_gone
+        mirror.on_other = ownership.record_changed
         self.recipe = LockRecipe(ownership, mirror, max_waiters)
         self.node = ClusterNode(ownership, mirror)
         self.sessions = ledger.sessions
@@ -295,7 +295,8 @@ class ClusterLockSpace:
                     self.ledger.token_floor, head.create_revision, value.rank
                 )
                 # A lease's end is known to the node that runs it: this one's own.
-                local = self.ledger.local_hold(head.lease, key)
+                name = self.layout.parse_entry(head.key)
+                local = self.ledger.local_hold(name.tag, key) if name is not None else None
                 if local is not None and local.lease_deadline is not None:
                     found.ttl = max(0.0, local.lease_deadline - trio.current_time())
             return found
@@ -318,11 +319,15 @@ class ClusterLockSpace:
     def hand_off(self) -> None:
         self.calls.hand_off()
 
-    def adopt_identity(self, node_id: str, heartbeat_lease: int) -> None:
-        """Be the node a predecessor was: its sessions' records name it, and its
-        heartbeat lease says it lives."""
+    def adopt_identity(
+        self, node_id: str, heartbeat_lease: int, sessions_lease: int, lease_left: float
+    ) -> None:
+        """Be the node a predecessor was: its sessions' records name it, its
+        heartbeat lease says it lives, and its sessions hang on its lease (which had
+        ``lease_left`` seconds to live by its last keepalive)."""
         self.node_id = self.ownership.node_id = self.node.node_id = node_id
         self.node.adopted_lease = heartbeat_lease
+        self.node.adopted_sessions_lease = (sessions_lease, lease_left)
 
     @property
     def backend_unavailable(self) -> int:

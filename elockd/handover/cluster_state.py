@@ -2,12 +2,13 @@
 
 The locks themselves stay in etcd: what moves is what this node promised its
 clients on etcd's word, so that the successor can keep the promises. The node's
-identity (its id, which its sessions' records name, and its heartbeat lease, by
-which other nodes see it alive), every session with its etcd lease, the revision of
-its record (the guard of every free) and its grace; every hold with its entry's
-revision, token and ``ttl=`` time left; and every waiting request, whose entries
-keep their place in etcd's queues while it moves. The successor keeps the session
-leases alive from then on, so nothing in etcd changes hands.
+identity (its id, which its sessions' records name, its heartbeat lease, by which
+other nodes see it alive, and the lease its sessions' keys hang on), every session
+with its tag, the revision of its record (the guard of every free) and its grace;
+every hold with its entry's revision, token and ``ttl=`` time left; and every
+waiting request, whose entries keep their place in etcd's queues while it moves.
+The successor keeps the node's leases alive from then on, so nothing in etcd
+changes hands.
 
 Pure, like :mod:`.state`: records in, records out, times as durations.
 """
@@ -57,6 +58,8 @@ def dump_cluster(
         "t": "node",
         "node_id": space.node_id,
         "heartbeat_lease": space.node.heartbeat_lease,
+        "sessions_lease": space.ownership.lease,
+        "sessions_lease_left": time_left(space.ownership.lease_expires_at, now),
         "prefix": text(space.layout.root),
         "orphans": ledger.orphans,
         "shared_orphans": ledger.shared_orphans,
@@ -67,7 +70,7 @@ def dump_cluster(
     }
     index: dict[Session, int] = {}
     # A lost session is here only while its connection ends: the successor finds
-    # its lease gone and ends it the same way.
+    # the node's lease gone and ends it the same way.
     sessions = list(ledger.sessions.values())
 
     def session_rows() -> Iterator[list[Any]]:
@@ -80,8 +83,7 @@ def dump_cluster(
                 session.grace,
                 session.connected,
                 time_left(session.grace_deadline, now),
-                session.lease,
-                time_left(session.expires_at, now),
+                session.tag,
                 session.record_revision,
             ]
 
@@ -189,7 +191,18 @@ class ClusterRestorer(StateReader):
             raise StateError(
                 f"--etcd-prefix {record['prefix']} there, {text(space.layout.root)} here"
             )
-        space.adopt_identity(record["node_id"], record["heartbeat_lease"])
+        if "sessions_lease" not in record:
+            raise StateError(
+                "the old node keeps an etcd lease per session (an older elockd): "
+                "restart it instead, or move its clients with conn_id"
+            )
+        left = record["sessions_lease_left"]
+        space.adopt_identity(
+            record["node_id"],
+            record["heartbeat_lease"],
+            record["sessions_lease"],
+            math.inf if left is None else left,
+        )
         ledger.orphans = record["orphans"]
         ledger.shared_orphans = record["shared_orphans"]
         ledger.expired = record["expired"]
@@ -200,17 +213,16 @@ class ClusterRestorer(StateReader):
     def _cluster_sessions(self, record: Record) -> None:
         ledger, now = self.space.ledger, self.now
         for row in record["rows"]:
-            session_id, peer, name, grace, connected, grace_left, lease, expires, revision = row
+            session_id, peer, name, grace, connected, grace_left, tag, revision = row
             session = ClusterSession(session_id, raw(peer))
             session.name = None if name is None else raw(name)
             session.grace = grace
             session.connected = connected
-            session.lease = lease
-            session.expires_at = math.inf if expires is None else now + expires
+            session.tag = tag
             session.record_revision = revision
             ledger.sessions[session_id] = session
-            if lease:
-                ledger.by_lease[lease] = session
+            if tag:
+                ledger.by_tag[tag] = session
             if grace_left is not None:
                 ledger.sessions_in_grace += 1
                 session.grace_deadline = now + grace_left
@@ -236,7 +248,7 @@ class ClusterRestorer(StateReader):
             assert isinstance(session, ClusterSession)
             kind_bytes = KIND_OF[kind]
             names = [raw(k) for k in keys]
-            entries = [space.layout.entry(kind_bytes, k, session.lease) for k in names]
+            entries = [space.layout.entry(kind_bytes, k, session.tag) for k in names]
             wait = ClusterWait(
                 session, kind_bytes, names, entries, revision, limit, ttl, now + left, now - waited
             )
