@@ -1089,3 +1089,26 @@ LockstepModel.TestCase.settings = settings(
     max_examples=400, stateful_step_count=40, deadline=None, print_blob=True
 )
 TestLockstep = LockstepModel.TestCase
+
+
+async def test_a_node_with_a_lease_per_session_is_refused_by_a_successor() -> None:
+    """A cluster node from before one lease per node names no node lease in its
+    state: the successor refuses it (the old node then serves on) rather than
+    adopt sessions whose keys hang on leases nobody would keep alive."""
+    from elockd.cluster.etcd_client import EtcdClient
+    from elockd.cluster.space import ClusterLockSpace
+    from elockd.handover.cluster_state import ClusterRestorer
+
+    client = EtcdClient(["http://127.0.0.1:9"])
+    space = ClusterLockSpace(client, b"/p/")
+    restorer = ClusterRestorer(Service(Config(), space, COMMANDS), 0.0)
+    old_node = {
+        "t": "node",
+        "node_id": "ab12",
+        "heartbeat_lease": 7,
+        "prefix": records.text(b"/p/"),
+    }
+    with pytest.raises(StateError, match="keeps an etcd lease per session"):
+        restorer.feed(old_node)
+    assert space.node.adopted_sessions_lease == (0, 0.0) and space.node_id != "ab12"
+    await client.aclose()

@@ -581,8 +581,11 @@ class EtcdClient:
         kvs = [KeyValue.from_json(kv) for kv in reply.get("kvs", [])]
         return _revision(reply), kvs, int(reply.get("count", 0))
 
-    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        return _revision(await self.call("kv/put", put_op(key, value, lease)["request_put"]))
+    async def put(self, key: bytes, value: bytes, lease: int = 0, *, urgent: bool = False) -> int:
+        """``urgent``: on the keepalives' places (a node's heartbeat), never queued
+        behind the node's requests."""
+        body = put_op(key, value, lease)["request_put"]
+        return _revision(await self.call("kv/put", body, urgent=urgent))
 
     async def lease_grant(self, ttl: int) -> tuple[int, int]:
         reply = await self.call("lease/grant", {"TTL": str(ttl)})

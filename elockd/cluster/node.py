@@ -240,7 +240,8 @@ class ClusterNode:
                     self._node_lease = await self._start_heartbeat()
                 else:
                     node_key = self.layout.node(self.node_id)
-                    await self.client.put(node_key, b"%d" % os.getpid(), self._node_lease)
+                    pid = b"%d" % os.getpid()
+                    await self.client.put(node_key, pid, self._node_lease, urgent=True)
             except (EtcdUnavailable, EtcdError):
                 self.calls.unavailable("node heartbeat")
 
