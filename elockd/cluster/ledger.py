@@ -120,6 +120,9 @@ class Ledger(Bookkeeping):
         self.token_floor = 0
         self.sessions: dict[str, ClusterSession] = {}
         self.by_tag: dict[int, ClusterSession] = {}
+        #: Tags of sessions another node took over, until when (this node's clock):
+        #: their entries still on this node's lease are that node's to move or free.
+        self.moved_tags: dict[int, float] = {}
         self.sessions_lost = 0
         self.local_waiting = 0
         #: The waiting request of each session that has one, by session id.

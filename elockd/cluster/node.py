@@ -43,6 +43,8 @@ log = logging.getLogger("elockd.cluster")
 
 #: Seconds a node waits for etcd to release its sessions when it shuts down.
 SHUTDOWN_GRACE = 2.0
+#: Seconds between tries of a keepalive of the node's lease that etcd did not answer.
+KEEPALIVE_RETRY = 0.5
 
 
 class ClusterNode:
@@ -190,9 +192,11 @@ class ClusterNode:
         lease, or a new lease, then the stray sweep."""
         period = self.session_ttl / 3
         ownership = self.ownership
+        wait = period
         while True:
-            with trio.move_on_after(period):
+            with trio.move_on_after(wait):
                 await ownership.lease_wanted.wait()
+            wait = period
             if self.calls.handed_over:
                 return  # the successor keeps the lease alive now
             if trio.current_time() > ownership.lease_expires_at:
@@ -202,8 +206,10 @@ class ClusterNode:
             try:
                 await self._keep_lease_alive()
             except (EtcdUnavailable, EtcdError):
+                # Everything of the node's sessions hangs on this lease: try again
+                # soon, not a whole period later (and sweep once it is renewed).
                 self.calls.unavailable("node lease keepalive")
-                await trio.sleep(0.5 if not ownership.lease else 0)
+                wait = KEEPALIVE_RETRY
                 continue
             if not self.calls.frozen:  # whoever serves on sweeps
                 await self._sweep()
@@ -257,9 +263,14 @@ class ClusterNode:
         lease = self.ownership.lease
         if not lease:
             return
+        now = trio.current_time()
+        moved = self.ledger.moved_tags
+        for tag, until in list(moved.items()):
+            if until < now:
+                del moved[tag]
         for tag in list(self.mirror.by_tag):
             session = self.ledger.by_tag.get(tag)
-            if session is not None and session.lost:
+            if (session is not None and session.lost) or tag in moved:
                 continue
             entries = self.mirror.entries_on(tag, lease)
             if session is None:

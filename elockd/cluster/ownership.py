@@ -360,6 +360,10 @@ class SessionOwnership:
             return
         session.lost = True  # for this node: nothing more may be done with it
         log.warning("session %s taken over elsewhere (%s)", session.id[:8], why)
+        if session.tag:
+            # Its entries are the new node's to move onto its lease: the sweep here
+            # leaves them alone for a session TTL (longer than any takeover).
+            self.ledger.moved_tags[session.tag] = trio.current_time() + self.session_ttl
         self.ledger.stop_grace(session)
         for hold in self.ledger.holds(session):
             self.ledger.untrack(hold)
