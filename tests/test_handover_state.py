@@ -1110,5 +1110,5 @@ async def test_a_node_with_a_lease_per_session_is_refused_by_a_successor() -> No
     }
     with pytest.raises(StateError, match="keeps an etcd lease per session"):
         restorer.feed(old_node)
-    assert space.node.adopted_sessions_lease == (0, 0.0) and space.node_id != "ab12"
+    assert space.node.adopted_sessions_lease == 0 and space.node_id != "ab12"
     await client.aclose()

@@ -60,10 +60,10 @@ class ClusterNode:
         self.session_ttl = ownership.session_ttl
         self.mirror = mirror
         self._node_lease = 0
-        #: A predecessor's heartbeat lease and the lease its sessions hang on (with
-        #: the seconds it had left), taken over with its books (docs/upgrade.md).
+        #: A predecessor's heartbeat lease and the lease its sessions hang on, taken
+        #: over with its books (docs/upgrade.md).
         self.adopted_lease = 0
-        self.adopted_sessions_lease: tuple[int, float] = (0, 0.0)
+        self.adopted_sessions_lease = 0
         #: Sessions taken over whose connection could not move (TLS): they end by
         #: their usual rules once the node runs, since ending writes to etcd.
         self.ended_at_join: list[ClusterSession] = []
@@ -143,22 +143,20 @@ class ClusterNode:
     async def _adopt_or_grant_sessions_lease(self) -> None:
         """The lease the sessions hang on: the predecessor's, if it still lives (a
         hand-over), else a new one, and with it every adopted session is lost."""
-        lease, _ = self.adopted_sessions_lease
+        lease = self.adopted_sessions_lease
         if lease:
             sent = trio.current_time()
             remaining = await self.client.lease_keepalive(lease)
             if remaining:
                 self.ownership.set_lease(lease, sent + remaining)
                 return
-            self.ownership.set_lease(lease, math.inf)
-            self.ownership.lease_gone("the node's etcd lease ran out during the hand-over")
+            self.ownership.lose_all("the node's etcd lease ran out during the hand-over")
         await self._grant_sessions_lease()
 
     async def _grant_sessions_lease(self) -> None:
         sent = trio.current_time()
         lease, ttl = await self.client.lease_grant(self.session_ttl)
         self.ownership.set_lease(lease, sent + ttl)
-        self.ownership.lease_wanted = trio.Event()
 
     async def _load_mirror(self) -> None:
         queues = self.layout.queues
@@ -230,7 +228,7 @@ class ClusterNode:
         if remaining == 0:
             ownership.lease_gone("etcd expired the node's lease")
         else:
-            ownership.lease_expires_at = sent + remaining
+            ownership.set_lease(lease, sent + remaining)
 
     async def _heartbeat(self) -> None:
         """The node's own lease, renewed in a loop of its own (a slow session

@@ -49,6 +49,7 @@ from elockd.cluster.etcd_client import (
 from elockd.cluster.layout import (
     EXCLUSIVE,
     SHARED,
+    EntryName,
     Layout,
     SessionRecord,
     encode_record,
@@ -112,28 +113,35 @@ class SessionOwnership:
         return self.lease
 
     def set_lease(self, lease: int, expires_at: float) -> None:
-        """The node's (new or kept) lease, from its keepalive loop or a hand-over."""
+        """The node's lease (new, renewed, or a predecessor's) and when etcd may drop
+        it; 0 and infinity for none."""
         self.lease = lease
         self.lease_expires_at = expires_at
+        if lease and self.lease_wanted.is_set():
+            self.lease_wanted = trio.Event()
 
     def lease_gone(self, why: str) -> None:
         """etcd no longer has the node's lease, or may not: every session that wrote
-        anything there is lost. Not while a hand-over copies the books: whoever
-        serves on finds out at its first keepalive."""
+        anything there is lost, and the node wants a new lease at once. Not while a
+        hand-over copies the books: whoever serves on finds out at its first
+        keepalive."""
         if self.calls.frozen or not self.lease:
             return
-        self.lease = 0
-        self.lease_expires_at = math.inf
+        self.set_lease(0, math.inf)
+        self.lose_all(why)
+        self.lease_wanted.set()
+
+    def lose_all(self, why: str) -> None:
+        """Every session that wrote to etcd is lost (see :meth:`lose`)."""
         for session in list(self.ledger.sessions.values()):
             if session.tag:
                 self.lose(session, why)
-        self.lease_wanted.set()
 
     async def ensure_record(self, session: ClusterSession) -> int:
         """The session's tag, given (and its record written) on first use."""
         if session.lost:
             raise BackendUnavailable("session lost")
-        self.current_lease()
+        self.current_lease()  # fails closed, before a tag or record, without a lease
         if not session.tag:
             session.tag = self._new_tag()
             self.ledger.by_tag[session.tag] = session
@@ -213,21 +221,38 @@ class SessionOwnership:
         return [(self.entry_key(h), h.revision) for h in holds]
 
     async def delete_entries(
-        self, session: ClusterSession | None, entries: Sequence[tuple[bytes, int]]
-    ) -> None:
+        self,
+        session: ClusterSession | None,
+        entries: Sequence[tuple[bytes, int]],
+        *,
+        with_record: bool = False,
+    ) -> bool:
         """Delete entries, each only if it is still the one created at its revision
         (the session itself may have re-created the key since), and all only while
         this node still owns ``session``; with None, entries of a session this node
-        no longer has (strays on its lease, see the node's sweep)."""
+        no longer has (strays on its lease, see the node's sweep). ``with_record``:
+        the session's record goes too, with the last batch, so that if a txn fails
+        midway the record and its guard stay and the sweep frees the rest. False
+        once the guard fails: the session is another node's now, and so is the rest."""
         deletes = [
             txn_op([compare_create(key, "==", revision)], [delete_op(key)])
             for key, revision in entries
         ]
-        guard = [] if session is None else [self.record_guard(session)]
         # etcd allows 128 operations per txn (--max-txn-ops) by default.
-        for start in range(0, len(deletes), DELETES_PER_TXN):
-            batch = deletes[start : start + DELETES_PER_TXN]
-            await self.calls.etcd(self.client.txn(guard, batch), session)
+        batches = [
+            deletes[start : start + DELETES_PER_TXN]
+            for start in range(0, len(deletes), DELETES_PER_TXN)
+        ]
+        if with_record:
+            assert session is not None
+            batches = batches or [[]]
+            batches[-1].append(delete_op(self.layout.session_record(session.id)))
+        for batch in batches:
+            guard = [] if session is None else [self.record_guard(session)]
+            result = await self.calls.etcd(self.client.txn(guard, batch), session)
+            if not result.succeeded:
+                return False
+        return True
 
     # ------------------------------------------------------------------- ends
 
@@ -312,26 +337,9 @@ class SessionOwnership:
 
         async def end() -> None:
             async with session.record_lock:  # after a record write under way
-                revision = session.record_revision
-            if not revision:
-                return  # never written: nothing of it can be in etcd
-            record_key = self.layout.session_record(session.id)
-            guard = [compare_mod(record_key, "==", revision)]
-            deletes = [
-                txn_op([compare_create(key, "==", created)], [delete_op(key)])
-                for key, created in entries.items()
-            ]
-            # The record goes last, with the last batch: if a txn fails midway, the
-            # record and the guard stay, and the sweep frees the rest.
-            batches = [
-                deletes[i : i + DELETES_PER_TXN] for i in range(0, len(deletes), DELETES_PER_TXN)
-            ]
-            batches = batches or [[]]
-            batches[-1].append(delete_op(record_key))
-            for batch in batches:
-                result = await self.calls.etcd(self.client.txn(guard, batch))
-                if not result.succeeded:
-                    return  # claimed by another node since: its to free
+                pass
+            if session.record_revision:  # else never written: nothing of it is in etcd
+                await self.delete_entries(session, list(entries.items()), with_record=True)
 
         self.calls.spawn(end, "end a session")
 
@@ -512,7 +520,9 @@ class SessionOwnership:
         the record and the entry's create revision: if the old node's lease ran out
         meanwhile, etcd has freed the entries, nothing moves, and the takeover fails."""
         await self._mirror_reaches(session.record_revision)
-        requests: dict[int, list[tuple[bytes, KeyValue]]] = {}
+        # Each request's entries (one revision; several keys for mlock), and
+        # whether each holds its lock.
+        requests: dict[int, list[tuple[EntryName, KeyValue, bool]]] = {}
         for etcd_key, _ in self.mirror.entries_on(session.tag, old_lease):
             name = self.layout.parse_entry(etcd_key)
             if name is None:
@@ -526,24 +536,23 @@ class SessionOwnership:
                 continue
             mine = kvs[position]
             holding = position == 0 if name.kind == EXCLUSIVE else mine in granted_kvs(kvs)
-            entries = requests.setdefault(mine.create_revision, [])
-            entries.append((name.key if holding else b"", mine))
-        kept = [kv for es in requests.values() if all(k for k, _ in es) for _, kv in es]
-        strays = [kv for es in requests.values() if not all(k for k, _ in es) for _, kv in es]
-        await self._move_entries(session, kept, strays)
+            requests.setdefault(mine.create_revision, []).append((name, mine, holding))
+        kept = {r: es for r, es in requests.items() if all(holding for _, _, holding in es)}
+        await self._move_entries(
+            session,
+            [kv for entries in kept.values() for _, kv, _ in entries],
+            [kv for r, entries in requests.items() if r not in kept for _, kv, _ in entries],
+        )
         now = trio.current_time()
-        for revision, entries in requests.items():
-            if any(not key for key, _ in entries):
-                continue  # a request that did not hold all its keys: deleted above
-            for key, kv in entries:
-                name = self.layout.parse_entry(kv.key)
-                assert name is not None
+        for revision, entries in kept.items():
+            for name, kv, _ in entries:
                 value = parse_entry_value(kv.value)  # its rank keeps its token the same
-                hold = self.ledger.record_hold(session, name.kind, key, revision, now, value.rank)
-                ttl = value.ttl
-                if ttl is not None:
-                    hold.ttl = ttl
-                    self.ledger.set_lease(hold, now + ttl)
+                hold = self.ledger.record_hold(
+                    session, name.kind, name.key, revision, now, value.rank
+                )
+                if value.ttl is not None:
+                    hold.ttl = value.ttl
+                    self.ledger.set_lease(hold, now + value.ttl)
 
     async def _move_entries(
         self, session: ClusterSession, kept: list[KeyValue], strays: list[KeyValue]

@@ -319,15 +319,13 @@ class ClusterLockSpace:
     def hand_off(self) -> None:
         self.calls.hand_off()
 
-    def adopt_identity(
-        self, node_id: str, heartbeat_lease: int, sessions_lease: int, lease_left: float
-    ) -> None:
+    def adopt_identity(self, node_id: str, heartbeat_lease: int, sessions_lease: int) -> None:
         """Be the node a predecessor was: its sessions' records name it, its
-        heartbeat lease says it lives, and its sessions hang on its lease (which had
-        ``lease_left`` seconds to live by its last keepalive)."""
+        heartbeat lease says it lives, and its sessions hang on its lease (which the
+        node renews as it joins)."""
         self.node_id = self.ownership.node_id = self.node.node_id = node_id
         self.node.adopted_lease = heartbeat_lease
-        self.node.adopted_sessions_lease = (sessions_lease, lease_left)
+        self.node.adopted_sessions_lease = sessions_lease
 
     @property
     def backend_unavailable(self) -> int:

@@ -15,7 +15,6 @@ Pure, like :mod:`.state`: records in, records out, times as durations.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,7 +58,6 @@ def dump_cluster(
         "node_id": space.node_id,
         "heartbeat_lease": space.node.heartbeat_lease,
         "sessions_lease": space.ownership.lease,
-        "sessions_lease_left": time_left(space.ownership.lease_expires_at, now),
         "prefix": text(space.layout.root),
         "orphans": ledger.orphans,
         "shared_orphans": ledger.shared_orphans,
@@ -196,13 +194,7 @@ class ClusterRestorer(StateReader):
                 "the old node keeps an etcd lease per session (an older elockd): "
                 "restart it instead, or move its clients with conn_id"
             )
-        left = record["sessions_lease_left"]
-        space.adopt_identity(
-            record["node_id"],
-            record["heartbeat_lease"],
-            record["sessions_lease"],
-            math.inf if left is None else left,
-        )
+        space.adopt_identity(record["node_id"], record["heartbeat_lease"], record["sessions_lease"])
         ledger.orphans = record["orphans"]
         ledger.shared_orphans = record["shared_orphans"]
         ledger.expired = record["expired"]
