@@ -238,13 +238,16 @@ class Burst:
 # ------------------------------------------------------------ what to read
 
 
-def still_locked(port: int, keys: list[int], timeout: float = 30) -> collections.Counter[str]:
-    """``i burst:K`` for each of ``keys``, pipelined on one fresh connection, replies
-    counted by text: ``1 Locked`` while its burst session still holds the key."""
+def ask_each(
+    port: int, verb: bytes, keys: list[int], timeout: float = 30
+) -> collections.Counter[str]:
+    """``VERB burst:K`` for each of ``keys``, pipelined on one fresh connection,
+    replies counted by text (``i``: ``1 Locked`` while its burst session still
+    holds the key; ``g``: ``1 Got Lock`` once it is free)."""
     counts: collections.Counter[str] = collections.Counter()
     lines: list[bytes] = []
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(b"".join(b"i burst:%d\n" % key for key in keys))
+        sock.sendall(b"".join(b"%s burst:%d\n" % (verb, key) for key in keys))
         data = b""
         deadline = time.monotonic() + timeout
         with contextlib.suppress(OSError):
@@ -354,7 +357,7 @@ def scale_rows(ttl: int, count: int, wait: float, idle: float) -> None:
             },
             counters=q_counters(port),
             sample=sample,
-            locked=still_locked(port, sample),
+            locked=ask_each(port, b"i", sample),
             rss_kib=memory_kib(node.pid),
             leaders=(leader, cluster.leader()),
         ).print()
@@ -378,7 +381,7 @@ def print_kill_row(
             freed_at = time.monotonic() - killed
             break
         time.sleep(0.05)
-    granted = taken(heir_port, sample)
+    granted = ask_each(heir_port, b"g", sample)
     freed = "not within 3 TTL + 10 s" if freed_at is None else f"{freed_at:.2f}"
     print(
         f"\nKill: the burst node SIGKILLed while {holding:,} locks were held (the other "
@@ -386,19 +389,6 @@ def print_kill_row(
         f"{ttl + 2} s); then {granted[GRANTED]} of {len(sample)} sampled keys `g` "
         f"{GRANTED!r} on the other node."
     )
-
-
-def taken(port: int, keys: list[int], timeout: float = 30) -> collections.Counter[str]:
-    """``g burst:K`` for each of ``keys``, pipelined on one fresh connection."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(b"".join(b"g burst:%d\n" % key for key in keys))
-        buffer = b""
-        while buffer.count(b"\n") < len(keys):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            buffer += chunk
-    return collections.Counter(line.rstrip("\r") for line in buffer.decode().splitlines())
 
 
 def print_burst_row(burst: Burst, during: Window, wait: float) -> None:
