@@ -283,29 +283,29 @@ async def test_a_keepalive_is_not_queued_behind_the_backlog(nursery: trio.Nurser
     """Lease keepalives have places of their own: with the window full of slow calls
     and more waiting, a keepalive is answered in about one round trip."""
 
-    async def by_path(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
-        if request > 1:  # the first is the keepalive's warm-up below
-            await trio.sleep(0.5)
-        await answer(stream, http, b'{"result": {"TTL": "5"}}')
-        return True
+    async def slow(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        await trio.sleep(0.5)
+        return await keepalive_ok(stream, http, request)
 
-    member = await FakeMember(by_path).start(nursery)
+    member = await FakeMember(keepalive_ok).start(nursery)
     client = EtcdClient([member.url], max_concurrent=2, deadline=5)
-    assert await client.lease_keepalive(1) == 5
+    assert await client.lease_keepalive(1) == 5  # opens a connection beside the window's
+    member.behave = slow
     async with trio.open_nursery() as calls:
         for i in range(6):
             calls.start_soon(client.put, b"k", b"%d" % i)
         await trio.sleep(0.1)  # the window is full, four more wait
-        member.behave = ok_keepalive
+        member.behave = keepalive_ok
         start = trio.current_time()
         assert await client.lease_keepalive(1) == 5
         took = trio.current_time() - start
-        member.behave = by_path
+        member.behave = slow
     assert took < 0.3, took
     await client.aclose()
 
 
-async def ok_keepalive(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+async def keepalive_ok(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+    """A keepalive's answer (a put reads only the revision, absent here: 0)."""
     await answer(stream, http, b'{"result": {"TTL": "5"}}')
     return True
 

@@ -427,8 +427,8 @@ class _Transport:
                 self._discard(idle.pop())
 
 
-#: Calls in flight beside the window, for lease keepalives alone: a node's own
-#: backlog of requests must never delay the keepalive that keeps its sessions.
+#: Calls in flight beside the window, for lease keepalives and the node's heartbeat
+#: alone: a node's own backlog of requests must never delay what keeps it alive.
 URGENT_SLOTS = 2
 
 
