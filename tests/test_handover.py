@@ -54,6 +54,25 @@ async def wait_exit(process: subprocess.Popen[str], timeout: float) -> int:
         return await trio.to_thread.run_sync(process.wait)
 
 
+async def resumable_hold(port: int, key: bytes) -> tuple[LineClient, bytes]:
+    """A connection that holds ``key`` with a 30 s grace time, and its session id."""
+    worker = await connect(port)
+    assert await ask(worker, b"set_timeout 30000") == b"200 timeout set\r\n"
+    assert await ask(worker, b"lock " + key) == b"200 Acquired\r\n"
+    return worker, (await ask(worker, b"conn_id"))[4:].strip()
+
+
+async def take_back(worker: LineClient, port: int, session_id: bytes) -> LineClient:
+    """After a hand-over: ``worker``'s connection still answers; then a network blip
+    ends it, and a new connection takes its session back with ``conn_id`` (once the
+    server has noticed the close: until then the session is not free to take)."""
+    assert await ask(worker, b"ping") == b"200 PONG\r\n"  # the same connection
+    await worker.stream.aclose()
+    back = await connect(port)
+    await eventually(lambda: resumed(back, session_id), timeout=5)
+    return back
+
+
 @dataclass
 class GetReleaseLoop:
     """A client taking and freeing one key in a loop through a hand-over: every reply
@@ -244,18 +263,11 @@ async def test_tls_connections_close_and_their_sessions_wait_in_grace(
 async def test_a_handed_over_session_can_still_be_taken_over_by_conn_id(tmp_path: Path) -> None:
     control = tmp_path / "control.sock"
     with old_server(control) as (old, port):
-        worker = await connect(port)
-        assert await ask(worker, b"set_timeout 30000") == b"200 timeout set\r\n"
-        assert await ask(worker, b"lock nightly") == b"200 Acquired\r\n"
-        session_id = (await ask(worker, b"conn_id"))[4:].strip()
+        worker, session_id = await resumable_hold(port, b"nightly")
         new = await trio.to_thread.run_sync(lambda: take_over(control))
         try:
             assert await wait_exit(old, 10) == 0
-            assert await ask(worker, b"ping") == b"200 PONG\r\n"  # the same connection
-            await worker.stream.aclose()  # a network blip
-            back = await connect(port)
-            # Until the server has noticed the close, the session is not free to take.
-            await eventually(lambda: resumed(back, session_id), timeout=5)
+            back = await take_back(worker, port, session_id)
             assert await ask(back, b"unlock nightly") == b"200 Unlocked\r\n"
         finally:
             stop_server(new)

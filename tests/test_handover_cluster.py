@@ -14,9 +14,17 @@ import pytest
 import trio
 
 from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
-from tests.polling import eventually, resumed, until_waiting
+from tests.polling import eventually, until_waiting
 from tests.server_process import start_server, stop_server
-from tests.test_handover import FAKE_SUCCESSOR, GetReleaseLoop, ask, connect, wait_exit
+from tests.test_handover import (
+    FAKE_SUCCESSOR,
+    GetReleaseLoop,
+    ask,
+    connect,
+    resumable_hold,
+    take_back,
+    wait_exit,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -153,20 +161,13 @@ async def test_a_handed_over_node_session_can_be_taken_back_by_conn_id(
     successor: its record's revision (the guard of every free) came along."""
     control = tmp_path / "control.sock"
     with node_process(nodes, "--control-socket", str(control)) as (old, port):
-        worker = await connect(port)
-        assert await ask(worker, b"set_timeout 30000") == b"200 timeout set\r\n"
-        assert await ask(worker, b"lock nightly") == b"200 Acquired\r\n"
-        session_id = (await ask(worker, b"conn_id"))[4:].strip()
+        worker, session_id = await resumable_hold(port, b"nightly")
         new, _ = await trio.to_thread.run_sync(
             lambda: start_server(*nodes.flags(), "--take-over", str(control))
         )
         try:
             assert await wait_exit(old, 10) == 0
-            assert await ask(worker, b"ping") == b"200 PONG\r\n"  # the same connection
-            await worker.stream.aclose()  # a network blip
-            back = await connect(port)
-            # Until the node has noticed the close, the session is not free to take.
-            await eventually(lambda: resumed(back, session_id), timeout=5)
+            back = await take_back(worker, port, session_id)
             assert await ask(back, b"unlock nightly") == b"200 Unlocked\r\n"
             assert await ask(back, b"lock nightly") == b"200 Acquired\r\n"
         finally:
