@@ -161,6 +161,16 @@ def elockd(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )
 
 
+async def test_etcd_in_flight_is_the_window_of_a_nodes_etcd_client() -> None:
+    from elockd.cluster.space import ClusterLockSpace
+    from elockd.server import make_cluster_backend
+
+    backend = make_cluster_backend(Config(etcd="http://127.0.0.1:9", etcd_in_flight=5))
+    assert isinstance(backend, ClusterLockSpace)
+    assert backend.client._limiter.total_tokens == 5
+    await backend.client.aclose()
+
+
 def test_version_comes_from_the_package_metadata() -> None:
     result = elockd("--version")
     assert (result.returncode, result.stdout, result.stderr) == (0, f"elockd {__version__}\n", "")
@@ -174,6 +184,7 @@ def test_version_comes_from_the_package_metadata() -> None:
         (["--metrics-port", "-1"], "argument --metrics-port: a port number 0-65535"),
         (["--etcd", "ftp://x"], "argument --etcd: 'ftp://x' is not host:port"),
         (["--max-ttl", "nan"], "argument --max-ttl: a number of seconds above 0, not 'nan'"),
+        (["--etcd-in-flight", "0"], "argument --etcd-in-flight: a whole number, 1 or more"),
         (["--tls-key", "k.pem"], "elockd: --tls-key and --tls-client-ca need --tls-cert"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
