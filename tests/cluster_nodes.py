@@ -32,6 +32,9 @@ class Node:
 
     process: subprocess.Popen[str]
     port: int
+    #: Every line the node logged, printed when the test ends (pytest shows it
+    #: for a failed test only), so a failure on a CI machine says what the node saw.
+    log: list[str] = field(default_factory=list)
 
     async def connect(self) -> LineClient:
         from tests.conftest import LineClient  # conftest imports this module
@@ -71,11 +74,14 @@ class Nodes:
         )
 
     def start(self, *args: str, endpoints: list[str] | None = None) -> Node:
-        process, port = start_server(*self.flags(endpoints), *args)
-        node = Node(process, port)
+        log: list[str] = []
+        process, port = start_server(*self.flags(endpoints), *args, log=log)
+        node = Node(process, port, log)
         self.started.append(node)
         return node
 
     def close(self) -> None:
-        for node in self.started:
+        for number, node in enumerate(self.started):
             node.kill()
+            print(f"--- node {number} (port {node.port}) logged:")
+            print("".join(node.log[-60:]), end="")
