@@ -197,10 +197,7 @@ class ClusterNode:
             wait = period
             if self.calls.handed_over:
                 return  # the successor keeps the lease alive now
-            if trio.current_time() > ownership.lease_expires_at:
-                # etcd may have expired the lease: the sessions' holds are no longer
-                # this node's to promise. Fail closed.
-                ownership.lease_gone("etcd was not reached for a whole session TTL")
+            ownership.check_expiry()
             try:
                 await self._keep_lease_alive()
             except (EtcdUnavailable, EtcdError):

@@ -96,6 +96,9 @@ class SessionOwnership:
         self.lease_expires_at = math.inf
         #: Set when the lease is gone: the node gets a new one at once.
         self.lease_wanted = trio.Event()
+        #: Set while the node has a lease: a request waits on it while the node
+        #: gets a new one (see :meth:`wait_for_lease`).
+        self._lease_ready = trio.Event()
         self._taking: set[str] = set()  # session ids a conn_id is taking over now
 
     def open_session(self, session_id: str, peer: bytes) -> ClusterSession:
@@ -117,8 +120,31 @@ class SessionOwnership:
         it; 0 and infinity for none."""
         self.lease = lease
         self.lease_expires_at = expires_at
-        if lease and self.lease_wanted.is_set():
-            self.lease_wanted = trio.Event()
+        if lease:
+            self._lease_ready.set()
+            if self.lease_wanted.is_set():
+                self.lease_wanted = trio.Event()
+        elif self._lease_ready.is_set():
+            self._lease_ready = trio.Event()
+
+    async def wait_for_lease(self) -> None:
+        """Return once the node has a lease, waiting up to the etcd deadline while
+        it gets a new one: a node that finds its lease gone (after a pause, or an
+        outage) asks for a new one at once, and a request that comes meanwhile is
+        served once it has it, not refused for a gap of one etcd round trip.
+        BackendUnavailable if etcd does not give one within the deadline."""
+        self.check_expiry()
+        if not self.lease:
+            with trio.move_on_after(self.client.deadline):
+                await self._lease_ready.wait()
+        self.current_lease()
+
+    def check_expiry(self) -> None:
+        """If etcd may have expired the lease by now (no keepalive answered for a
+        whole TTL: a pause, an outage), the sessions' holds are no longer this
+        node's to promise: fail closed, and get a new lease."""
+        if trio.current_time() > self.lease_expires_at:
+            self.lease_gone("etcd was not reached for a whole session TTL")
 
     def lease_gone(self, why: str) -> None:
         """etcd no longer has the node's lease, or may not: every session that wrote
@@ -141,7 +167,7 @@ class SessionOwnership:
         """The session's tag, given (and its record written) on first use."""
         if session.lost:
             raise BackendUnavailable("session lost")
-        self.current_lease()  # fails closed, before a tag or record, without a lease
+        await self.wait_for_lease()  # fails closed, before a tag or record, without one
         if not session.tag:
             session.tag = self._new_tag()
             self.ledger.by_tag[session.tag] = session
