@@ -101,6 +101,7 @@ class LockRecipe:
             raise QueueFull
         tag = await self.ownership.ensure_record(session)
         entries = [self.layout.entry(kind, k, tag) for k in missing]
+        await self._free_own_strays(session, entries)
         # From here until the request ends, its entries are not strays, whatever
         # state the txns leave them in (see the node's sweep); after it, they are.
         session.pending.update(entries)
@@ -110,6 +111,20 @@ class LockRecipe:
             if self.ledger.suspended_wait(session) is None:
                 # Unless a hand-over keeps the wait: its entries stay this session's.
                 session.pending.difference_update(entries)
+
+    async def _free_own_strays(self, session: ClusterSession, entries: list[bytes]) -> None:
+        """Delete this session's own entries at the keys a new request is about to
+        create, that no hold and no request of it owns: left by a release etcd did
+        not confirm (the hold is gone here, the entry may not be). The sweep would
+        free them within TTL/3; until then the new entry could not be created and
+        the request would be refused for a lock its client no longer holds."""
+        strays = [
+            (etcd_key, entry.revision)
+            for etcd_key in entries
+            if etcd_key not in session.pending and (entry := self.mirror.entry(etcd_key))
+        ]
+        if strays and not await self.ownership.delete_entries(session, strays):
+            raise BackendUnavailable("session taken over by another node")
 
     def _waiting(self, kind: bytes, key: bytes) -> int:
         """Requests waiting for ``key`` now (``--max-waiters`` counts these, cluster
