@@ -510,32 +510,46 @@ class EtcdClient:
         application is a no-op or fails its compare; keep it that way.
         """
         payload = json.dumps(body).encode()
-        queued_at = trio.current_time()
-        async with self._urgent if urgent else self._limiter:
+        limiter = self._urgent if urgent else self._limiter
+        try:
+            limiter.acquire_nowait()
+        except trio.WouldBlock:
+            queued_at = trio.current_time()
+            await limiter.acquire()
+            # Only a call that really waited: one sent at once is not failed for a
+            # call that happened to give up while it passed its checkpoint.
             if self._gave_up_at > queued_at:
+                limiter.release()
                 raise EtcdUnavailable(
                     f"etcd gave no answer to {path}: another call ran out of its "
                     f"{self.deadline}s while this one waited to be sent"
-                )
-            last = "no attempt finished"
-            failures = 0
-            with trio.move_on_after(self.deadline):
-                while True:
-                    index = self._current
-                    endpoint = self.endpoints[index]
-                    last = f"{endpoint}: no answer within {self.attempt_timeout}s"
-                    with trio.move_on_after(self.attempt_timeout):
-                        try:
-                            return await self._post(endpoint, path, payload)
-                        except _Retry as exc:
-                            last = str(exc)
-                    self._log_failure(endpoint, last)
-                    if self._current == index:  # another task may have moved on already
-                        self._current = (index + 1) % len(self.endpoints)
-                    failures += 1
-                    if failures % len(self.endpoints) == 0:
-                        await trio.sleep(_ROUND_BACKOFF)  # every member refused: don't spin
-            self._gave_up_at = trio.current_time()
+                ) from None
+        try:
+            return await self._attempts(path, payload)
+        finally:
+            limiter.release()
+
+    async def _attempts(self, path: str, payload: bytes) -> dict[str, Any]:
+        """Send one call, failing over between endpoints, until ``deadline``."""
+        last = "no attempt finished"
+        failures = 0
+        with trio.move_on_after(self.deadline):
+            while True:
+                index = self._current
+                endpoint = self.endpoints[index]
+                last = f"{endpoint}: no answer within {self.attempt_timeout}s"
+                with trio.move_on_after(self.attempt_timeout):
+                    try:
+                        return await self._post(endpoint, path, payload)
+                    except _Retry as exc:
+                        last = str(exc)
+                self._log_failure(endpoint, last)
+                if self._current == index:  # another task may have moved on already
+                    self._current = (index + 1) % len(self.endpoints)
+                failures += 1
+                if failures % len(self.endpoints) == 0:
+                    await trio.sleep(_ROUND_BACKOFF)  # every member refused: don't spin
+        self._gave_up_at = trio.current_time()
         raise EtcdUnavailable(f"etcd gave no answer to {path} within {self.deadline}s ({last})")
 
     def _log_failure(self, endpoint: str, failure: str) -> None:
