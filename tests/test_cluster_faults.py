@@ -266,6 +266,10 @@ async def test_paused_node_loses_its_session_and_frees_nothing_of_others(nodes: 
         assert after > before
         # The paused node's client releases: queued in the socket until A runs.
         await holder.send(b"unlock K\n")
+        # A new client asks A too (the kernel accepts for it): A finds its lease gone
+        # as it resumes, and serves this one on the new lease, not Backend Unavailable.
+        fresh = await a.connect()
+        await fresh.send(b"g F\n")
     finally:
         a.cont()
     continued = trio.current_time()
@@ -276,10 +280,10 @@ async def test_paused_node_loses_its_session_and_frees_nothing_of_others(nodes: 
     print(f"connection closed {trio.current_time() - continued:.2f} s after SIGCONT")
     assert trio.current_time() - continued <= TTL / 3 + 1
     with trio.fail_after(5):
+        assert await fresh.line() == b"1 Got Lock\r\n"
         assert await token(waiter, b"K") == after
         assert await third.request(b"g K") == b"0 Cannot Get Lock"
-        fresh = await a.connect()  # node A itself still serves, and agrees
-        assert await fresh.request(b"g K") == b"0 Cannot Get Lock"
+        assert await fresh.request(b"g K") == b"0 Cannot Get Lock"  # A agrees
         assert (await stats(fresh))["sessions_lost"] >= 1
 
 
@@ -465,6 +469,41 @@ async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
         assert await single.request(b"token S1") == b"403 Not Locked"  # let go here
     held = await still_held(checker, [b"U1", b"U2", b"T", b"S1"], seconds=5)
     assert held == {}, f"freed while etcd had no quorum, yet still held: {held}"
+
+
+async def test_a_lock_taken_again_after_a_refused_unlock_is_granted_at_once(
+    nodes: Nodes,
+) -> None:
+    """#13c: an ``unlock`` refused without quorum lets go of the hold on the node but
+    leaves the entry in etcd until the sweep. The same client's ``lock`` of that key
+    once etcd is back must be granted at once, not refused because its own old entry
+    is still there. Session TTL 30: the sweep comes a keepalive period (10 s) after
+    start, long after this test has asked."""
+    etcd = nodes.etcd
+    survivor = etcd.follower()
+    node = nodes.start(
+        "--session-ttl", "30", "--etcd-timeout", "1.5", endpoints=first(etcd, survivor)
+    )
+    started = trio.current_time()
+    with trio.fail_after(10):
+        client, probe = await node.connect(), await node.connect()
+        assert await client.request(b"lock K") == b"200 Acquired"
+    paused = [name for name in etcd.members if name != survivor]
+    for name in paused:
+        etcd.stop(name)
+    try:
+        with trio.fail_after(10):
+            await until_leaderless(etcd, survivor)
+        with trio.fail_after(1.5 + 1):
+            assert await client.request(b"unlock K") == b"409 Backend Unavailable"
+    finally:
+        for name in paused:
+            etcd.cont(name)
+    with trio.fail_after(10):
+        await until_served(probe)
+        assert await client.request(b"lock K") == b"200 Acquired"
+    took = trio.current_time() - started
+    assert took < 10, f"the node's first sweep may have freed the entry first ({took:.1f} s)"
 
 
 async def test_waiter_is_granted_after_its_watch_moves_to_another_member(nodes: Nodes) -> None:
