@@ -564,6 +564,61 @@ async def test_lease_ids_beyond_2_53_survive(client: EtcdClient, prefix: bytes) 
     assert await client.lease_revoke(lease) is True
 
 
+async def test_txns_sent_together_are_batched_and_each_answered_as_alone(
+    etcd: EtcdCluster, prefix: bytes
+) -> None:
+    """Group commit against a real etcd: 20 creates of keys of their own, 5 racing
+    creates of one key, and a put on a lease etcd does not have, all at once. Each
+    gets the answer it would get alone: every own key created, one racer wins and
+    the others see its value, and only the put on the missing lease is refused."""
+    client = EtcdClient(etcd.endpoints, max_concurrent=4)  # one batch in flight
+    results: dict[bytes, object] = {}
+
+    async def create(name: bytes, key: bytes, lease: int = 0) -> None:
+        try:
+            results[name] = await client.txn(
+                [compare_create(key, "==", 0)], [put_op(key, name, lease)], [range_op(key)]
+            )
+        except EtcdError as error:
+            results[name] = error
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run_batches)
+            await trio.sleep(0)
+            with trio.fail_after(10):
+                async with trio.open_nursery() as requests:
+                    for i in range(20):
+                        requests.start_soon(create, b"own%d" % i, prefix + b"own%d" % i)
+                    requests.start_soon(create, b"stray", prefix + b"stray", 2**40 + 7)
+                    for i in range(5):
+                        requests.start_soon(create, b"race%d" % i, prefix + b"shared")
+            nursery.cancel_scope.cancel()
+        batches, batched = client.batch_counts
+        assert batches >= 1 and batched >= 2, (batches, batched)  # nested replies read
+        for i in range(20):
+            result = results[b"own%d" % i]
+            assert isinstance(result, etcd_client.TxnResult) and result.succeeded
+            assert [kv.value for kv in (await client.get(prefix + b"own%d" % i))[1]] == [
+                b"own%d" % i
+            ]
+        stray = results[b"stray"]
+        assert isinstance(stray, EtcdError) and "lease not found" in stray.message
+        races = [results[b"race%d" % i] for i in range(5)]
+        assert all(isinstance(race, etcd_client.TxnResult) for race in races)
+        winners = [
+            race for race in races if isinstance(race, etcd_client.TxnResult) and race.succeeded
+        ]
+        assert len(winners) == 1
+        _, stored, _ = await client.get(prefix + b"shared")
+        for race in races:
+            assert isinstance(race, etcd_client.TxnResult)
+            if not race.succeeded:
+                assert race.kvs(0) == stored  # the winner's, as a later txn alone sees it
+    finally:
+        await client.aclose()
+
+
 async def test_error_reply_raises_at_once(client: EtcdClient, prefix: bytes) -> None:
     start = trio.current_time()
     with pytest.raises(EtcdError) as error:

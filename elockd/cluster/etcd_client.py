@@ -32,6 +32,7 @@ import h11
 import httpx
 import trio
 
+from elockd.cluster.txn_batch import Queued, TxnBatcher, batches_in_flight
 from elockd.logthrottle import LogThrottle
 
 log = logging.getLogger("elockd.etcd")
@@ -468,6 +469,12 @@ class EtcdClient:
         self._transport = _Transport(max_concurrent + URGENT_SLOTS)
         #: When the last call ran out of its deadline unanswered (trio time).
         self._gave_up_at = -math.inf
+        self._batcher = TxnBatcher(
+            lambda payload: self._call_payload("kv/txn", payload),
+            alone_on=(EtcdError,),
+            unanswered=lambda: EtcdUnavailable("the node stopped with this txn in flight"),
+            in_flight=batches_in_flight(max_concurrent),
+        )
         # Only for watches: a stream holds its connection for life, none is worth keeping.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(attempt_timeout),
@@ -479,6 +486,16 @@ class EtcdClient:
     def endpoint(self) -> str:
         """The endpoint calls go to now (the sticky one)."""
         return self.endpoints[self._current]
+
+    async def run_batches(self) -> None:
+        """Send txns in batches (group commit) until cancelled; until it runs, and
+        after, each txn is sent on its own."""
+        await self._batcher.run()
+
+    @property
+    def batch_counts(self) -> tuple[int, int]:
+        """(batches of several txns sent, txns sent in them)."""
+        return self._batcher.batches, self._batcher.batched
 
     async def aclose(self) -> None:
         self._transport.close()
@@ -509,7 +526,12 @@ class EtcdClient:
         compare-guarded requests (a txn that checks before it writes), whose second
         application is a no-op or fails its compare; keep it that way.
         """
-        payload = json.dumps(body).encode()
+        return await self._call_payload(path, json.dumps(body).encode(), urgent=urgent)
+
+    async def _call_payload(
+        self, path: str, payload: bytes, *, urgent: bool = False
+    ) -> dict[str, Any]:
+        """:meth:`call` with the body encoded already."""
         limiter = self._urgent if urgent else self._limiter
         try:
             limiter.acquire_nowait()
@@ -568,10 +590,29 @@ class EtcdClient:
         compare: Sequence[dict[str, Any]],
         success: Sequence[dict[str, Any]],
         failure: Sequence[dict[str, Any]] = (),
+        *,
+        ranks: int = 0,
     ) -> TxnResult:
-        reply = await self.call(
-            "kv/txn", {"compare": list(compare), "success": list(success), "failure": list(failure)}
-        )
+        """One txn; while :meth:`run_batches` runs, sent in a batch with the txns
+        that wait beside it (group commit, see :mod:`.txn_batch`), with the same
+        answer as alone. ``ranks``: how many token ranks its new queue entries
+        take (a batch holds at most 64, see :mod:`.recipe`)."""
+        body = {"compare": list(compare), "success": list(success), "failure": list(failure)}
+        payload = json.dumps(body).encode()
+        reply: dict[str, Any] | None = None
+        if self._batcher.running:
+            queued = Queued(body, payload, ranks)
+            await self._batcher.submit(queued)
+            error = queued.error
+            if isinstance(error, EtcdUnavailable):
+                raise EtcdUnavailable(str(error)) from None  # one object per waiting task
+            if isinstance(error, EtcdError):
+                raise EtcdError(error.code, error.message) from None
+            if error is not None:
+                raise error
+            reply = queued.reply
+        if reply is None:  # no batching, or the batcher stopped before sending it
+            reply = await self._call_payload("kv/txn", payload)
         return TxnResult(
             succeeded=bool(reply.get("succeeded", False)),
             revision=_revision(reply),

@@ -7,11 +7,11 @@ three read and change them. They are what ``q`` and /metrics read, what the
 ``on_*`` hooks report from, and the part that is closest to the in-memory engine's
 own bookkeeping (:mod:`elockd.locks`).
 
-A hold's fencing token comes from its entry's create revision, its key's rank in
-its request, and the cluster's token floor (``<prefix>meta/token_floor``, which
-:mod:`.node` loads at join): tokens then increase across keys, nodes and rebuilt
-clusters, and the keys of one ``mlock`` get tokens of their own
-(:func:`fencing_token`).
+A hold's fencing token comes from its entry's create revision, the entry's rank
+(a number the node gives each new entry), and the cluster's token floor
+(``<prefix>meta/token_floor``, which :mod:`.node` loads at join): tokens then
+increase across keys, nodes and rebuilt clusters, and the keys of one ``mlock``, or
+the requests of one batch, get tokens of their own (:func:`fencing_token`).
 """
 
 from __future__ import annotations
@@ -98,15 +98,16 @@ class ClusterAnswer:
         return self.grant
 
 
-#: Fencing tokens: the entry's create revision times this, plus the key's rank among
-#: its request's keys (an ``mlock`` enters up to --max-keys, at most 64 on a cluster,
-#: in one revision), plus the floor: every exclusive grant gets a token of its own.
+#: Fencing tokens: the entry's create revision times this, plus the entry's rank (the
+#: node numbers its new entries round modulo this, and one etcd txn, a batch of
+#: requests included, takes at most this many in a row: see .recipe), plus the
+#: floor: every exclusive grant gets a token of its own.
 TOKENS_PER_REVISION = 64
 
 
 def fencing_token(floor: int, revision: int, rank: int) -> int:
-    """The token of the hold at ``revision`` whose key is the ``rank``-th (in byte
-    order) of its request's keys: the same on every node, also after a takeover."""
+    """The token of the hold whose entry was created at ``revision`` with ``rank``:
+    the same on every node, also after a takeover."""
     return floor + revision * TOKENS_PER_REVISION + rank
 
 

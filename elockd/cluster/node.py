@@ -85,6 +85,7 @@ class ClusterNode:
         try:
             async with trio.open_nursery() as nursery:
                 self.calls.nursery = nursery
+                nursery.start_soon(self.client.run_batches)
                 nursery.start_soon(self._watch)
                 nursery.start_soon(self._keep_alive)
                 nursery.start_soon(self._heartbeat)

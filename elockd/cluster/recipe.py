@@ -36,7 +36,7 @@ from elockd.cluster.etcd_client import (
     txn_op,
 )
 from elockd.cluster.layout import EXCLUSIVE, SHARED, entry_value, parse_entry_value
-from elockd.cluster.ledger import ClusterHold, ClusterSession, ClusterWait
+from elockd.cluster.ledger import TOKENS_PER_REVISION, ClusterHold, ClusterSession, ClusterWait
 from elockd.cluster.mirror import (
     GRANTED,
     LOST,
@@ -65,6 +65,7 @@ class LockRecipe:
         self.client = ownership.client
         self.mirror = mirror
         self.max_waiters = max_waiters
+        self._next_rank = 0  # see _ranks
 
     # ---------------------------------------------------------------- acquire
 
@@ -126,6 +127,26 @@ class LockRecipe:
         if strays and not await self.ownership.delete_entries(session, strays):
             raise BackendUnavailable("session taken over by another node")
 
+    def _ranks(self, keys: Sequence[bytes]) -> tuple[dict[bytes, int], int]:
+        """The rank of each key's new entry, and how many ranks that took: with the
+        entry's create revision, a rank makes the fencing token of that key's hold
+        (:mod:`.ledger`). The node counts its entries round modulo
+        TOKENS_PER_REVISION; a request's keys take consecutive ranks in byte order,
+        from 0 when they would wrap (the ranks skipped count as taken). The txns sent
+        to etcd in one batch (one revision) take at most TOKENS_PER_REVISION ranks
+        in a row (see :mod:`.txn_batch`), so no two holds of a revision share a token."""
+        start = self._next_rank
+        skipped = TOKENS_PER_REVISION - start if start + len(keys) > TOKENS_PER_REVISION else 0
+        first = (start + skipped) % TOKENS_PER_REVISION
+        self._next_rank = (first + len(keys)) % TOKENS_PER_REVISION
+        ranks = {key: first + place for place, key in enumerate(sorted(keys))}
+        return ranks, skipped + len(keys)
+
+    def _rank_of(self, entry: bytes) -> int:
+        """The rank in an entry the mirror knows (a granted waiter's)."""
+        found = self.mirror.entry(entry)
+        return found.rank if found is not None else 0
+
     def _waiting(self, kind: bytes, key: bytes) -> int:
         """Requests waiting for ``key`` now (``--max-waiters`` counts these, cluster
         wide): every entry of its queue but those that hold."""
@@ -145,21 +166,23 @@ class LockRecipe:
         wait: float,
     ) -> Grant:
         now = trio.current_time()
-        ranks = _ranks(keys)
+        ranks, ranks_taken = self._ranks(keys)
         owner, peer = session.owner, session.peer
         values = [entry_value(limit, ttl, owner, rank=ranks[k], peer=peer) for k in keys]
         # Anything of ours created at or before this revision is not this request's:
         # a stray the sweep may be deleting right now (see the node's sweep).
         start = self.mirror.revision
         if kind == EXCLUSIVE and not wait:
-            return await self._try_exclusive(session, keys, entries, values, ttl, start)
+            return await self._try_exclusive(
+                session, keys, entries, values, ttl, start, ranks, ranks_taken
+            )
         revision, holds_now, holders = await self._enqueue(
-            session, kind, keys, entries, values, limit, start
+            session, kind, keys, entries, values, limit, start, ranks_taken
         )
         if holds_now and kind == SHARED and limit:
             holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
         if holds_now:
-            grant = self._granted(session, kind, keys, revision, ttl, now, waited=False)
+            grant = self._granted(session, kind, keys, revision, ttl, now, ranks, waited=False)
             if holders is not None:
                 # This node's mirror may not have reached the grant yet: the reply
                 # counts the holders etcd had at the grant's own revision.
@@ -178,6 +201,8 @@ class LockRecipe:
         values: list[bytes],
         ttl: float | None,
         start: int,
+        ranks: dict[bytes, int],
+        ranks_taken: int,
     ) -> Grant:
         """One txn: if every key's queue is empty, enter them all."""
         layout, lease = self.layout, self.ownership.current_lease()
@@ -187,12 +212,14 @@ class LockRecipe:
                 [compare_create(p, "==", 0, prefix_end(p)) for p in prefixes],
                 [put_op(e, v, lease) for e, v in zip(entries, values, strict=True)],
                 [range_op(p, prefix_end(p), sort_by_create=True, limit=1) for p in prefixes],
+                ranks=ranks_taken,
             ),
             session,
         )
         now = trio.current_time()
         if result.succeeded:
-            return self._granted(session, EXCLUSIVE, keys, result.revision, ttl, now, waited=False)
+            revision = result.revision
+            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, ranks, waited=False)
         heads = [result.kvs(i)[0] if result.kvs(i) else None for i in range(len(keys))]
         if all(
             h is not None and h.key == e and h.create_revision > start
@@ -201,7 +228,7 @@ class LockRecipe:
             # An earlier attempt of this very txn committed before its answer was
             # lost (the client retried): the entries are ours and at the head.
             revision = heads[0].create_revision if heads[0] is not None else 0
-            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, waited=False)
+            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, ranks, waited=False)
         blocked = [
             k for k, h, e in zip(keys, heads, entries, strict=True) if h is not None and h.key != e
         ]
@@ -216,6 +243,7 @@ class LockRecipe:
         values: list[bytes],
         limit: int,
         start: int,
+        ranks_taken: int,
     ) -> tuple[int, bool, int | None]:
         """Enter every queue in one txn: (its revision, whether the new entries hold
         every lock at that revision, and for a shared lock its holders then; None
@@ -232,6 +260,7 @@ class LockRecipe:
                     for p in prefixes
                 ],
                 [range_op(e) for e in entries],
+                ranks=ranks_taken,
             ),
             session,
         )
@@ -334,7 +363,8 @@ class LockRecipe:
             if not marked:
                 waiter.state = LOST
         if waiter.state == GRANTED:
-            return self._granted(session, kind, keys, revision, ttl, now, waited=True)
+            ranks = {key: self._rank_of(entry) for key, entry in zip(keys, entries, strict=True)}
+            return self._granted(session, kind, keys, revision, ttl, now, ranks, waited=True)
         ledger.timeouts += 1
         if kind == SHARED:
             return Grant(False, await self._holders(keys[0]))
@@ -354,10 +384,10 @@ class LockRecipe:
         revision: int,
         ttl: float | None,
         now: float,
+        ranks: dict[bytes, int],
         *,
         waited: bool,
     ) -> Grant:
-        ranks = _ranks(keys)
         for key in keys:
             hold = self.ledger.record_hold(session, kind, key, revision, now, ranks[key])
             if ttl is not None:
@@ -526,9 +556,3 @@ class LockRecipe:
         holders = len(granted_kvs(shared[0][1])) if shared else 0
         waiting_shared = len(shared[0][1]) - holders if shared else 0
         return head, holders, waiting_exclusive + waiting_shared
-
-
-def _ranks(keys: Sequence[bytes]) -> dict[bytes, int]:
-    """Each key's place among its request's keys in byte order: with the request's
-    revision, it makes the fencing token of that key's hold (:mod:`.ledger`)."""
-    return {key: rank for rank, key in enumerate(sorted(keys))}
