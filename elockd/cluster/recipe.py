@@ -429,7 +429,11 @@ class LockRecipe:
         assert isinstance(hold, ClusterHold)
         entry = self.ownership.entry_key(hold)
         prefix = self.layout.queue_prefix(kind, key)
-        read_queue = range_op(prefix, prefix_end(prefix), sort_by_create=True)
+        # A shared release answers with the holders left; an exclusive one reads
+        # nothing (less work for etcd on the busiest path).
+        reads = (
+            [range_op(prefix, prefix_end(prefix), sort_by_create=True)] if kind == SHARED else []
+        )
         # Let go here first: if etcd does not answer, the stray sweep frees the entry
         # once it does (the client was asked to release, not to keep holding).
         self.ledger.drop(hold, trio.current_time())
@@ -438,9 +442,9 @@ class LockRecipe:
                 [self.ownership.record_guard(session)],
                 [
                     txn_op([compare_create(entry, "==", hold.revision)], [delete_op(entry)]),
-                    read_queue,
+                    *reads,
                 ],
-                [read_queue],
+                reads,
             ),
             session,
         )
@@ -448,8 +452,7 @@ class LockRecipe:
             # Another node took the session over (its watch event follows); what is
             # left, if anything, is the stray sweep's.
             return Grant(False)
-        queue = result.kvs(1)
-        return Grant(True, holders_after_handover(queue) if kind == SHARED else 0)
+        return Grant(True, holders_after_handover(result.kvs(1)) if reads else 0)
 
     async def release_all(self, session: ClusterSession) -> None:
         """Free every hold; if etcd refuses, the holds are gone here anyway and the
