@@ -18,7 +18,7 @@ import h11
 import pytest
 import trio
 
-from elockd.cluster import etcd_client
+from elockd.cluster import etcd_client, etcd_transport
 from elockd.cluster.etcd_client import (
     EtcdClient,
     EtcdError,
@@ -458,7 +458,7 @@ async def test_an_oversized_reply_is_refused(
 
     good = await FakeMember().start(nursery)
     big = await FakeMember(declared).start(nursery)
-    monkeypatch.setattr(etcd_client, "_MAX_RESPONSE", 4096)  # for the endless one
+    monkeypatch.setattr(etcd_transport, "_MAX_RESPONSE", 4096)  # for the endless one
     endless_member = await FakeMember(endless).start(nursery)
     for bad in (big, endless_member):
         client = EtcdClient([bad.url, good.url], attempt_timeout=5)
