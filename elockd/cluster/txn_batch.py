@@ -213,7 +213,7 @@ class TxnBatcher:
         self._queue: collections.deque[Queued] = collections.deque()
         self._arrived = trio.Event()
         self.running = False
-        #: Batches sent and txns in them, for the node's stats.
+        #: Batches of several txns that etcd answered, and the txns in them.
         self.batches = 0
         self.batched = 0
 
