@@ -27,7 +27,6 @@ from elockd.cluster.txn_batch import (
     Footprint,
     Queued,
     TxnBatcher,
-    _Gathered,
     batches_in_flight,
     ops_needed,
 )
@@ -70,13 +69,7 @@ def record(session: bytes) -> dict[str, Any]:
 
 
 def share_a_batch(first: dict[str, Any], second: dict[str, Any]) -> bool:
-    gathered = _Gathered()
-    footprint = Footprint()
-    footprint.add_txn(first)
-    gathered.add(footprint)
-    other = Footprint()
-    other.add_txn(second)
-    return not gathered.clashes(other)
+    return not Footprint(first).clashes(Footprint(second))
 
 
 # ------------------------------------------------------------------ footprints

@@ -279,7 +279,7 @@ class EtcdClient:
 
     @property
     def batch_counts(self) -> tuple[int, int]:
-        """(batches of several txns sent, txns sent in them)."""
+        """(batches of several txns etcd answered, txns in them)."""
         return self._batcher.batches, self._batcher.batched
 
     async def aclose(self) -> None:

@@ -68,36 +68,80 @@ def _overlaps(one: Interval, other: Interval) -> bool:
 
 
 class Footprint:
-    """What a txn reads (compares and ranges) and writes (puts and deletes), in
-    both its branches, nested txns included."""
+    """What txns read (compares and ranges) and write (puts and deletes), in both
+    branches, nested txns included: one txn's, or a whole batch's as it gathers.
+    Points are kept sorted, so a test against a batch is a bisect."""
 
     __slots__ = ("read_points", "read_ranges", "write_points", "write_ranges")
 
-    def __init__(self) -> None:
+    def __init__(self, txn: dict[str, Any] | None = None) -> None:
         self.read_points: list[bytes] = []
         self.read_ranges: list[Interval] = []
         self.write_points: list[bytes] = []
         self.write_ranges: list[Interval] = []
+        if txn is not None:
+            self._add_txn(txn)
 
-    def add_txn(self, txn: dict[str, Any]) -> None:
+    def _add_txn(self, txn: dict[str, Any]) -> None:
         for compare in txn.get("compare", ()):
             self._add(_interval(compare), write=False)
         for op in (*txn.get("success", ()), *txn.get("failure", ())):
             if "request_range" in op:
                 self._add(_interval(op["request_range"]), write=False)
             elif "request_put" in op:
-                self.write_points.append(base64.b64decode(op["request_put"]["key"]))
+                bisect.insort(self.write_points, base64.b64decode(op["request_put"]["key"]))
             elif "request_delete_range" in op:
                 self._add(_interval(op["request_delete_range"]), write=True)
             elif "request_txn" in op:
-                self.add_txn(op["request_txn"])
+                self._add_txn(op["request_txn"])
 
     def _add(self, interval: Interval, *, write: bool) -> None:
         start, end = interval
         if end == start + b"\0":
-            (self.write_points if write else self.read_points).append(start)
+            bisect.insort(self.write_points if write else self.read_points, start)
         else:
             (self.write_ranges if write else self.read_ranges).append(interval)
+
+    def add(self, other: Footprint) -> None:
+        """Take in ``other``'s keys (a txn joining the batch)."""
+        for point in other.read_points:
+            bisect.insort(self.read_points, point)
+        for point in other.write_points:
+            bisect.insort(self.write_points, point)
+        self.read_ranges += other.read_ranges
+        self.write_ranges += other.write_ranges
+
+    def clashes(self, other: Footprint) -> bool:
+        """True if ``other`` writes what these txns read or write, or reads what
+        they write."""
+        for point in other.write_points:
+            if self._has_point(point, read=True) or self._has_point(point, read=False):
+                return True
+        for point in other.read_points:
+            if self._has_point(point, read=False):
+                return True
+        for interval in other.write_ranges:
+            if self._meets(interval, read=True) or self._meets(interval, read=False):
+                return True
+        return any(self._meets(interval, read=False) for interval in other.read_ranges)
+
+    def _has_point(self, point: bytes, *, read: bool) -> bool:
+        """Whether these txns read (``read``) or write ``point``."""
+        points = self.read_points if read else self.write_points
+        at = bisect.bisect_left(points, point)
+        if at < len(points) and points[at] == point:
+            return True
+        ranges = self.read_ranges if read else self.write_ranges
+        return any(start <= point and (not end or point < end) for start, end in ranges)
+
+    def _meets(self, interval: Interval, *, read: bool) -> bool:
+        """Whether these txns read (``read``) or write any key of ``interval``."""
+        points = self.read_points if read else self.write_points
+        at = bisect.bisect_left(points, interval[0])
+        if at < len(points) and (not interval[1] or points[at] < interval[1]):
+            return True
+        ranges = self.read_ranges if read else self.write_ranges
+        return any(_overlaps(interval, other) for other in ranges)
 
 
 def ops_needed(txn: dict[str, Any]) -> int:
@@ -112,74 +156,46 @@ def ops_needed(txn: dict[str, Any]) -> int:
     return own + max(nested, default=0)
 
 
-class _Gathered:
-    """The keys a batch being gathered touches, to test a candidate against."""
-
-    def __init__(self) -> None:
-        self.read_points: list[bytes] = []  # sorted
-        self.write_points: list[bytes] = []  # sorted
-        self.read_ranges: list[Interval] = []
-        self.write_ranges: list[Interval] = []
-
-    def clashes(self, footprint: Footprint) -> bool:
-        """True if ``footprint`` writes what the batch reads or writes, or reads what
-        it writes."""
-        for point in footprint.write_points:
-            if self._has_point(point, read=True) or self._has_point(point, read=False):
-                return True
-        for point in footprint.read_points:
-            if self._has_point(point, read=False):
-                return True
-        for interval in footprint.write_ranges:
-            if self._meets(interval, read=True) or self._meets(interval, read=False):
-                return True
-        return any(self._meets(interval, read=False) for interval in footprint.read_ranges)
-
-    def _has_point(self, point: bytes, *, read: bool) -> bool:
-        """Whether the batch reads (``read``) or writes ``point``."""
-        points = self.read_points if read else self.write_points
-        at = bisect.bisect_left(points, point)
-        if at < len(points) and points[at] == point:
-            return True
-        ranges = self.read_ranges if read else self.write_ranges
-        return any(start <= point and (not end or point < end) for start, end in ranges)
-
-    def _meets(self, interval: Interval, *, read: bool) -> bool:
-        """Whether the batch reads (``read``) or writes any key of ``interval``."""
-        points = self.read_points if read else self.write_points
-        at = bisect.bisect_left(points, interval[0])
-        if at < len(points) and (not interval[1] or points[at] < interval[1]):
-            return True
-        ranges = self.read_ranges if read else self.write_ranges
-        return any(_overlaps(interval, other) for other in ranges)
-
-    def add(self, footprint: Footprint) -> None:
-        for point in footprint.read_points:
-            bisect.insort(self.read_points, point)
-        for point in footprint.write_points:
-            bisect.insort(self.write_points, point)
-        self.read_ranges += footprint.read_ranges
-        self.write_ranges += footprint.write_ranges
-
-
 class Queued:
     """One txn waiting for its answer: ``reply`` (its own txn response, with the
     batch's header), or ``error``; neither when it was never sent (the batcher
     stopped first), and its caller sends it alone. ``ranks``: the token ranks its
-    new entries took, in the order txns are queued."""
+    new entries took, in the order txns are queued. Its footprint and the
+    operations it needs are worked out only if another txn may share its batch: a
+    txn that goes alone costs nothing more than before batching."""
 
-    __slots__ = ("done", "error", "footprint", "need", "payload", "ranks", "reply", "withdrawn")
+    __slots__ = (
+        "_footprint",
+        "_need",
+        "done",
+        "error",
+        "payload",
+        "ranks",
+        "reply",
+        "txn",
+        "withdrawn",
+    )
 
     def __init__(self, txn: dict[str, Any], payload: bytes, ranks: int = 0) -> None:
+        self.txn = txn
         self.payload = payload
         self.ranks = ranks
-        self.footprint = Footprint()
-        self.footprint.add_txn(txn)
-        self.need = ops_needed(txn)
+        self._footprint: Footprint | None = None
+        self._need = 0
         self.done = trio.Event()
         self.reply: dict[str, Any] | None = None
         self.error: Exception | None = None
         self.withdrawn = False
+
+    def footprint(self) -> Footprint:
+        if self._footprint is None:
+            self._footprint = Footprint(self.txn)
+        return self._footprint
+
+    def need(self) -> int:
+        if not self._need:
+            self._need = ops_needed(self.txn)
+        return self._need
 
 
 _ENVELOPE_HEAD = b'{"compare":[],"success":['
@@ -213,7 +229,8 @@ class TxnBatcher:
         self._queue: collections.deque[Queued] = collections.deque()
         self._arrived = trio.Event()
         self.running = False
-        #: Batches of several txns that etcd answered, and the txns in them.
+        #: Batches of several txns that etcd answered, and the txns in them
+        #: (:attr:`EtcdClient.batch_counts`).
         self.batches = 0
         self.batched = 0
 
@@ -252,7 +269,7 @@ class TxnBatcher:
     def _take(self) -> list[Queued]:
         """The txns at the head of the queue that may share one batch."""
         batch: list[Queued] = []
-        gathered = _Gathered()
+        gathered = Footprint()
         size = len(_ENVELOPE_HEAD) + len(_ENVELOPE_TAIL)
         most_needed = 0
         ranks = 0  # taken from the first txn of the batch on, withdrawn ones too
@@ -266,22 +283,26 @@ class TxnBatcher:
                 ranks += queued.ranks if batch else 0
                 continue
             if batch:
-                needed = max(most_needed, queued.need)
+                if len(batch) == 1:  # a second may join: now the first's keys matter
+                    gathered.add(batch[0].footprint())
+                    most_needed = batch[0].need()
+                needed = max(most_needed, queued.need())
                 if len(batch) + 1 + needed > MAX_TXN_OPS:
                     break
                 if size + len(queued.payload) + 20 > MAX_BATCH_BYTES:
                     break
-                if gathered.clashes(queued.footprint):
+                if gathered.clashes(queued.footprint()):
                     break
+                gathered.add(queued.footprint())
+                most_needed = needed
             queue.popleft()
             batch.append(queued)
-            gathered.add(queued.footprint)
             size += len(queued.payload) + 20
-            most_needed = max(most_needed, queued.need)
             ranks += queued.ranks
         return batch
 
     async def _send_batch(self, batch: list[Queued]) -> None:
+        failure: Exception | None = None  # the batch's, for every txn in it
         try:
             if len(batch) == 1:
                 await self._send_alone(batch[0])
@@ -300,15 +321,12 @@ class TxnBatcher:
                     await self._send_alone(queued)
                 return
             except Exception as error:
-                for queued in batch:
-                    queued.error = error
-                    queued.done.set()
+                failure = error
                 return
             self.batches += 1
             self.batched += len(batch)
             header = reply.get("header", {})
-            responses = reply.get("responses", [])
-            for queued, response in zip(batch, responses, strict=False):
+            for queued, response in zip(batch, reply.get("responses", []), strict=False):
                 answer = dict(response.get("response_txn", {}))
                 answer["header"] = header
                 queued.reply = answer
@@ -317,9 +335,9 @@ class TxnBatcher:
             self._slots.release()
             for queued in batch:
                 if not queued.done.is_set():
-                    # Cut off in flight (the node is stopping), or no answer of its
-                    # own in the reply: its fate is unknown, as after a timeout.
-                    queued.error = queued.error or self._unanswered()
+                    # The batch failed, was cut off in flight (the node is stopping),
+                    # or its reply had no answer for this txn: as after a timeout.
+                    queued.error = failure or self._unanswered()
                     queued.done.set()
 
     async def _send_alone(self, queued: Queued) -> None:
