@@ -428,12 +428,12 @@ class LockRecipe:
             return Grant(False)
         assert isinstance(hold, ClusterHold)
         entry = self.ownership.entry_key(hold)
-        prefix = self.layout.queue_prefix(kind, key)
         # A shared release answers with the holders left; an exclusive one reads
         # nothing (less work for etcd on the busiest path).
-        reads = (
-            [range_op(prefix, prefix_end(prefix), sort_by_create=True)] if kind == SHARED else []
-        )
+        reads = []
+        if kind == SHARED:
+            prefix = self.layout.queue_prefix(kind, key)
+            reads.append(range_op(prefix, prefix_end(prefix), sort_by_create=True))
         # Let go here first: if etcd does not answer, the stray sweep frees the entry
         # once it does (the client was asked to release, not to keep holding).
         self.ledger.drop(hold, trio.current_time())
