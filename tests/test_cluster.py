@@ -319,6 +319,37 @@ async def test_disconnect_frees_holds_and_waits_at_once(nodes: Nodes) -> None:
 # ------------------------------------------------------------ token floor
 
 
+async def test_locks_granted_together_get_tokens_of_their_own(
+    nodes: Nodes, etcd: EtcdCluster
+) -> None:
+    """Requests that reach a node together go to etcd in one txn (group commit) and
+    so share a revision; the entries' ranks still give every hold a token of its
+    own, and an mlock's keys consecutive ones. The floor is a multiple of 64 here, so
+    a token tells its revision: the test also sees that holds did share one."""
+    floor = 64 * 10**16
+    client = EtcdClient(etcd.endpoints)
+    try:
+        await client.put(nodes.prefix.encode() + b"meta/token_floor", b"%d" % floor)
+    finally:
+        await client.aclose()
+    node = nodes.start()
+    clients = [await node.connect() for _ in range(40)]
+    requests = [b"lock own%d" % i for i in range(38)] + [b"mlock m1 m2 m3", b"mlock m4 m5"]
+    with trio.fail_after(10):
+        for connection, request in zip(clients, requests, strict=True):
+            await connection.send(request + b"\n")
+        for connection in clients:
+            assert await connection.line() == b"200 Acquired\r\n"
+        tokens = [await token_of(c, b"own%d" % i) for i, c in enumerate(clients[:38])]
+        for connection, keys in ((clients[38], b"m1 m2 m3"), (clients[39], b"m4 m5")):
+            mine = [await token_of(connection, key) for key in keys.split()]
+            assert mine == list(range(mine[0], mine[0] + len(mine)))
+            tokens += mine
+    assert len(set(tokens)) == len(tokens), sorted(tokens)
+    revisions = [(token - floor) // 64 for token in tokens]
+    assert len(set(revisions)) < len(revisions), "no two holds shared a revision"
+
+
 async def test_tokens_start_above_the_recorded_floor(nodes: Nodes, etcd: EtcdCluster) -> None:
     floor = 10**18 + 12345
     client = EtcdClient(etcd.endpoints)
