@@ -471,18 +471,16 @@ async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
     assert held == {}, f"freed while etcd had no quorum, yet still held: {held}"
 
 
-async def test_a_lock_taken_again_after_a_refused_unlock_is_granted_at_once(
-    nodes: Nodes,
-) -> None:
-    """#13c: an ``unlock`` refused without quorum lets go of the hold on the node but
-    leaves the entry in etcd until the sweep. The same client's ``lock`` of that key
-    once etcd is back must be granted at once, not refused because its own old entry
-    is still there. Session TTL 30: the sweep comes a keepalive period (10 s) after
-    start, long after this test has asked."""
+async def unlock_refused_without_quorum(
+    nodes: Nodes, session_ttl: int
+) -> tuple[LineClient, LineClient, float]:
+    """A node whose client holds K, and whose ``unlock K`` is refused while two of
+    three members are paused (resumed before this returns): the client, a second
+    client of that node, and when the node started."""
     etcd = nodes.etcd
     survivor = etcd.follower()
     node = nodes.start(
-        "--session-ttl", "30", "--etcd-timeout", "1.5", endpoints=first(etcd, survivor)
+        "--session-ttl", str(session_ttl), "--etcd-timeout", "1.5", endpoints=first(etcd, survivor)
     )
     started = trio.current_time()
     with trio.fail_after(10):
@@ -499,11 +497,40 @@ async def test_a_lock_taken_again_after_a_refused_unlock_is_granted_at_once(
     finally:
         for name in paused:
             etcd.cont(name)
+    return client, probe, started
+
+
+async def test_a_lock_taken_again_after_a_refused_unlock_is_granted_at_once(
+    nodes: Nodes,
+) -> None:
+    """#13c: an ``unlock`` refused without quorum lets go of the hold on the node but
+    leaves the entry in etcd until the sweep. The same client's ``lock`` of that key
+    once etcd is back must be granted at once, not refused because its own old entry
+    is still there. Whichever deletes the entry first, the sweep that follows etcd's
+    return or the ``lock`` itself, the lock must be granted; and before the node's
+    first periodic sweep (a keepalive period, 10 s, after start)."""
+    client, probe, started = await unlock_refused_without_quorum(nodes, session_ttl=30)
     with trio.fail_after(10):
         await until_served(probe)
         assert await client.request(b"lock K") == b"200 Acquired"
     took = trio.current_time() - started
-    assert took < 10, f"the node's first sweep may have freed the entry first ({took:.1f} s)"
+    assert took < 10, f"the node's first periodic sweep may have freed the entry ({took:.1f} s)"
+
+
+async def test_a_refused_unlock_frees_its_key_soon_after_quorum_returns(nodes: Nodes) -> None:
+    """#13d: the entry an ``unlock`` refused without quorum leaves in etcd is deleted
+    as soon as etcd answers again, not at the node's next keepalive round: with
+    session TTL 60 that round is 20 s after start, and a client of another node must
+    take the key long before."""
+    other = nodes.start("--session-ttl", "60")
+    with trio.fail_after(10):
+        checker = await other.connect()
+    _, _, started = await unlock_refused_without_quorum(nodes, session_ttl=60)
+    back = trio.current_time()
+    held = await still_held(checker, [b"K"], seconds=max(0.0, started + 19 - back))
+    took = trio.current_time() - started
+    print(f"K taken {trio.current_time() - back:.2f} s after SIGCONT, {took:.2f} s after start")
+    assert held == {}, f"K refused to unlock is still held {took:.1f} s after start: {held}"
 
 
 async def test_waiter_is_granted_after_its_watch_moves_to_another_member(nodes: Nodes) -> None:

@@ -43,8 +43,21 @@ log = logging.getLogger("elockd.cluster")
 
 #: Seconds a node waits for etcd to release its sessions when it shuts down.
 SHUTDOWN_GRACE = 2.0
-#: Seconds between tries of a keepalive of the node's lease that etcd did not answer.
+#: Seconds at least between two rounds of the node's keepalive and sweep, when
+#: etcd did not answer the last (see :meth:`ClusterNode._keep_alive`).
 KEEPALIVE_RETRY = 0.5
+
+
+async def first_of(*events: trio.Event) -> None:
+    """Return once any of ``events`` is set."""
+
+    async def wait(event: trio.Event, done: trio.CancelScope) -> None:
+        await event.wait()
+        done.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for event in events:
+            nursery.start_soon(wait, event, nursery.cancel_scope)
 
 
 class ClusterNode:
@@ -187,27 +200,37 @@ class ClusterNode:
                         await trio.sleep(0.5)
 
     async def _keep_alive(self) -> None:
-        """Every TTL/3 (at once when the lease is gone): one keepalive of the node's
-        lease, or a new lease, then the stray sweep."""
+        """Every TTL/3: one keepalive of the node's lease (or a new lease), then the
+        stray sweep. Sooner when the lease is gone (at once), or when etcd failed a
+        call since the last round (KEEPALIVE_RETRY after it): a keepalive that failed
+        is tried again soon, since everything of the node's sessions hangs on the
+        lease, and a free that etcd refused is swept as soon as etcd answers, so that
+        its key is free again within moments of etcd's return."""
         period = self.session_ttl / 3
-        ownership = self.ownership
-        wait = period
+        ownership, calls = self.ownership, self.calls
+        last_round = trio.current_time()  # the lease was just granted
+        failed = False
         while True:
-            with trio.move_on_after(wait):
-                await ownership.lease_wanted.wait()
-            wait = period
-            if self.calls.handed_over:
+            with trio.move_on_at(last_round + period):
+                await first_of(ownership.lease_wanted, calls.strays_suspected)
+            if failed or not ownership.lease_wanted.is_set():
+                # Only a lease just lost hurries: never more often than
+                # KEEPALIVE_RETRY otherwise, however many calls fail meanwhile.
+                await trio.sleep_until(last_round + KEEPALIVE_RETRY)
+            last_round = trio.current_time()
+            failed = True
+            if calls.handed_over:
                 return  # the successor keeps the lease alive now
+            # Anything that fails from here on calls for another round.
+            calls.strays_suspected = trio.Event()
             ownership.check_expiry()
             try:
                 await self._keep_lease_alive()
             except (EtcdUnavailable, EtcdError):
-                # Everything of the node's sessions hangs on this lease: try again
-                # soon, not a whole period later (and sweep once it is renewed).
-                self.calls.unavailable("node lease keepalive")
-                wait = KEEPALIVE_RETRY
+                calls.unavailable("node lease keepalive")
                 continue
-            if not self.calls.frozen:  # whoever serves on sweeps
+            failed = False
+            if not calls.frozen:  # whoever serves on sweeps
                 await self._sweep()
 
     async def _keep_lease_alive(self) -> None:

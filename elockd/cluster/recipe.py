@@ -117,8 +117,9 @@ class LockRecipe:
         """Delete this session's own entries at the keys a new request is about to
         create, that no hold and no request of it owns: left by a release etcd did
         not confirm (the hold is gone here, the entry may not be). The sweep would
-        free them within TTL/3; until then the new entry could not be created and
-        the request would be refused for a lock its client no longer holds."""
+        free them soon after etcd answers again; until then the new entry could not
+        be created and the request would be refused for a lock its client no longer
+        holds."""
         strays = [
             (etcd_key, entry.revision)
             for etcd_key in entries
