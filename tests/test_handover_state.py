@@ -1112,3 +1112,23 @@ async def test_a_node_with_a_lease_per_session_is_refused_by_a_successor() -> No
         restorer.feed(old_node)
     assert space.node.adopted_sessions_lease == 0 and space.node_id != "ab12"
     await client.aclose()
+
+
+async def test_sessions_taken_over_elsewhere_stay_left_to_that_node_after_a_handover() -> None:
+    """A session another node took over by ``conn_id`` leaves its entries on this
+    node's lease until that node moves them, and this node's sweep leaves that tag
+    alone for a session TTL. A successor must go on leaving it alone for the time
+    left, on its own clock, and forget tags whose time is up."""
+    from elockd.cluster.etcd_client import EtcdClient
+    from elockd.cluster.space import ClusterLockSpace
+    from elockd.handover.cluster_state import ClusterRestorer, dump_cluster
+
+    client = EtcdClient(["http://127.0.0.1:9"])
+    old, new = ClusterLockSpace(client, b"/p/"), ClusterLockSpace(client, b"/p/")
+    old.ledger.moved_tags = {5: 100.0 + 7.5, 6: 100.0 - 1.0}
+    dumped = list(dump_cluster(Service(Config(), old, COMMANDS), [], now=100.0))
+    restorer = ClusterRestorer(Service(Config(), new, COMMANDS), 1000.0)
+    for record in dumped:
+        restorer.feed(json.loads(json.dumps(record)))
+    assert new.ledger.moved_tags == {5: 1000.0 + 7.5}
+    await client.aclose()

@@ -5,8 +5,10 @@ clients on etcd's word, so that the successor can keep the promises. The node's
 identity (its id, which its sessions' records name, its heartbeat lease, by which
 other nodes see it alive, and the lease its sessions' keys hang on), every session
 with its tag, the revision of its record (the guard of every free) and its grace;
-every hold with its entry's revision, token and ``ttl=`` time left; and every
-waiting request, whose entries keep their place in etcd's queues while it moves.
+every hold with its entry's revision, token and ``ttl=`` time left; every
+waiting request, whose entries keep their place in etcd's queues while it moves;
+and the tags of sessions lately taken over by another node, whose entries the
+sweep leaves to that node for a while.
 The successor keeps the node's leases alive from then on, so nothing in etcd
 changes hands.
 
@@ -64,6 +66,11 @@ def dump_cluster(
         "expired": ledger.expired,
         "timeouts": ledger.timeouts,
         "sessions_lost": ledger.sessions_lost,
+        # Tags of sessions another node took over: their entries are that node's to
+        # move, and the successor's sweep must leave them alone as this one would.
+        "moved_tags": [
+            [tag, until - now] for tag, until in ledger.moved_tags.items() if until > now
+        ],
         **service_counters(service),
     }
     index: dict[Session, int] = {}
@@ -200,6 +207,8 @@ class ClusterRestorer(StateReader):
         ledger.expired = record["expired"]
         ledger.timeouts = record["timeouts"]
         ledger.sessions_lost = record["sessions_lost"]
+        # Absent from an elockd before 2026-11-25: nothing to leave alone then.
+        ledger.moved_tags = {tag: self.now + left for tag, left in record.get("moved_tags", [])}
         restore_service_counters(self.service, record)
 
     def _cluster_sessions(self, record: Record) -> None:
