@@ -52,6 +52,7 @@ import itertools
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -62,6 +63,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -381,8 +383,13 @@ class Report:
     #: When each of them began (its successor started) and was done (its predecessor
     #: exited), in seconds from the start of the run.
     handovers_at: list[tuple[float, float]] = field(default_factory=list)
-    #: Client sessions answered both before a hand-over began and after it was done:
-    #: their connection moved to the successor, open, and went on.
+    #: The pause of each, from its successor's log: when the old process stopped
+    #: answering and the new one began, in seconds from the start of the run. The
+    #: hand-over itself is mostly the successor starting up (seconds on a loaded
+    #: machine), during which the old process serves on.
+    pauses_at: list[tuple[float, float]] = field(default_factory=list)
+    #: Client sessions answered both before a pause and after it: their connection
+    #: moved to the successor, open, and went on.
     carried_sessions: int = 0
     #: What each successor logged when it took over (what moved, how long the pause).
     handover_notes: list[str] = field(default_factory=list)
@@ -428,6 +435,7 @@ class ServerChain:
         self.handovers = 0  # predecessors that exited 0 after their successor listened
         self.problems: list[str] = []
         self.notes: list[str] = []  # each successor's own word on what it took over
+        self.pauses: list[tuple[float, float] | None] = []  # monotonic, from those words
         self.current, self.port = self._start("--control-socket", str(self.control))
 
     def _start(self, *args: str) -> tuple[subprocess.Popen[str], int]:
@@ -472,6 +480,7 @@ class ServerChain:
         self.handovers += 1
         took = [line for line in self.logs[-1] if "took over from pid" in line]
         self.notes.append(took[0].split("] ", 1)[-1].strip() if took else "(not logged)")
+        self.pauses.append(pause_window(took[0]) if took else None)
         return True
 
     def __enter__(self) -> ServerChain:
@@ -480,6 +489,20 @@ class ServerChain:
     def __exit__(self, *exc_info: object) -> None:
         for process in self.processes:
             stop_server(process)
+
+
+def pause_window(took_over: str) -> tuple[float, float] | None:
+    """When a successor's pause began and ended, on this process's monotonic clock,
+    from its "took over ... pause N ms" log line: the line's time stamp is the end."""
+    match = re.match(r"(\S+) .*pause (\d+) ms", took_over)
+    if match is None:
+        return None
+    try:
+        ended_wall = datetime.fromisoformat(match[1]).timestamp()
+    except ValueError:
+        return None
+    ended = ended_wall - (time.time() - time.monotonic())
+    return ended - int(match[2]) / 1000, ended
 
 
 def last_lines(log: list[str], count: int = 5) -> str:
@@ -498,7 +521,12 @@ def hand_over_on_schedule(
         began = time.monotonic() - start
         if not chain.hand_over():
             return
-        report.handovers_at.append((began, time.monotonic() - start))
+        done = time.monotonic() - start
+        report.handovers_at.append((began, done))
+        pause = chain.pauses[-1]
+        report.pauses_at.append(
+            (began, done) if pause is None else (pause[0] - start, pause[1] - start)
+        )
 
 
 def spawn_worker(
@@ -606,7 +634,9 @@ def run(
         expected_handovers = report.handovers
     records = list(load_records(out_dir))
     check(records, kills, report)
-    count_carried(records, [(start + b, start + d) for b, d in report.handovers_at], report)
+    if chain is not None:
+        pauses = [(start + began, start + ended) for began, ended in report.pauses_at]
+        count_carried(records, chain.port, pauses, report)
     for port in nodes:
         counted = expected_handovers if chain is not None and port == chain.port else None
         report.violations.extend(final_state_problems(port, handovers=counted))
@@ -623,15 +653,16 @@ def load_records(out_dir: Path) -> Iterator[Record]:
 
 
 def count_carried(
-    records: list[Record], handovers: Sequence[tuple[float, float]], report: Report
+    records: list[Record], port: int, pauses: Sequence[tuple[float, float]], report: Report
 ) -> None:
-    """Count what lived through a hand-over (``handovers``: when each began and was
-    done, monotonic), so that a clean run shows it tested the hand-overs themselves
-    and not the quiet between them."""
+    """Count what lived through a hand-over of the server at ``port`` (``pauses``:
+    when each one's pause began and ended, monotonic), so that a clean run shows it
+    tested the hand-overs themselves and not the quiet between them (nor sessions
+    on another node of the cluster)."""
     session_of: dict[str, str] = {}
     answered: dict[str, list[float]] = defaultdict(list)  # session -> reply times
     for record in records:
-        if record["ev"] == "grant":
+        if record["ev"] == "grant" and record["port"] == port:
             session_of[record["hold"]] = record["session"]
             answered[record["session"]].append(record["t"])
     for record in records:
@@ -639,7 +670,7 @@ def count_carried(
         if session is not None and record["ev"] in ("released", "renewed", "renew_refused"):
             answered[session].append(record["t"])
     report.carried_sessions = sum(
-        any(min(times) < began and max(times) > done for began, done in handovers)
+        any(min(times) < began and max(times) > ended for began, ended in pauses)
         for times in answered.values()
     )
 
