@@ -477,6 +477,8 @@ async def test_a_session_that_takes_no_lock_writes_nothing_to_etcd(
     with trio.fail_after(10):
         holder = await node.connect()
         assert await holder.request(b"g busy") == b"1 Got Lock"
+        # The mirror, which q counts from, trails etcd by a few ms.
+        await eventually(lambda: stats_showing(holder, locks=1), what="the lock counted")
         idle = [await node.connect() for _ in range(5)]
         for client in idle:
             assert await client.request(b"set_timeout 5000") == b"200 timeout set"
@@ -720,7 +722,10 @@ async def test_q_and_metrics_show_node_counters_and_cluster_counts(nodes: Nodes)
         assert await here.request(b"lock_shared S 0 limit=3") == b"200 2"
         assert await here.request(b"lock K 0.2") == b"409 Unavailable"
         # The mirror trails etcd by a few ms.
-        stats = await eventually(lambda: stats_showing(here, locks=1), what="the lock counted")
+        stats = await eventually(
+            lambda: stats_showing(here, locks=1, shared_locks=1, shared_holders=2),
+            what="the locks counted",
+        )
     # Cluster-wide: the lock taken through the other node. This node's own: its
     # one timeout, its one connection, no unavailability.
     assert (stats["locks"], stats["shared_locks"], stats["shared_holders"]) == (1, 1, 2)
