@@ -46,11 +46,12 @@ class EtcdCalls:
         #: Called when etcd answers "lease not found" for a session's call: the
         #: node's lease expired before the node noticed (see :mod:`.ownership`).
         self.on_lease_gone: Callable[[str], None] | None = None
-        #: Set when etcd did not answer or refused a call: whatever that call was
-        #: to delete is still there (a refused free) and whatever it was to write may
-        #: be (a lost answer). The node's keeper sweeps such strays as soon as etcd
-        #: answers again, not up to a keepalive period later (see :mod:`.node`).
-        self.strays_suspected = trio.Event()
+        #: Set when the node's keeper (see :mod:`.node`) should not wait for its
+        #: next period: the node's lease is gone, or etcd did not answer or refused
+        #: a call, so whatever that call was to delete is still there (a refused
+        #: free) and whatever it was to write may be (a lost answer), for the
+        #: keeper's sweep as soon as etcd answers again.
+        self.keeper_wanted = trio.Event()
         #: While a hand-over copies this node's books (docs/upgrade.md), nothing may
         #: change them: waits hold their outcome, the sweep and the session checks
         #: skip their round. ``handed_over`` once the successor has them: this
@@ -135,7 +136,7 @@ class EtcdCalls:
 
     def unavailable(self, what: str) -> None:
         self.backend_unavailable += 1
-        self.strays_suspected.set()
+        self.keeper_wanted.set()
         log.warning("backend unavailable: etcd did not answer (%s)", what)
 
     async def etcd(self, call: Awaitable[T], session: ClusterSession | None = None) -> T:

@@ -48,18 +48,6 @@ SHUTDOWN_GRACE = 2.0
 KEEPALIVE_RETRY = 0.5
 
 
-async def first_of(*events: trio.Event) -> None:
-    """Return once any of ``events`` is set."""
-
-    async def wait(event: trio.Event, done: trio.CancelScope) -> None:
-        await event.wait()
-        done.cancel()
-
-    async with trio.open_nursery() as nursery:
-        for event in events:
-            nursery.start_soon(wait, event, nursery.cancel_scope)
-
-
 class ClusterNode:
     """One elockd node's membership of the cluster, and the background loops that
     keep its sessions (one :class:`~elockd.cluster.ownership.SessionOwnership`) alive."""
@@ -212,8 +200,8 @@ class ClusterNode:
         failed = False
         while True:
             with trio.move_on_at(last_round + period):
-                await first_of(ownership.lease_wanted, calls.strays_suspected)
-            if failed or not ownership.lease_wanted.is_set():
+                await calls.keeper_wanted.wait()
+            if failed or ownership.lease:
                 # Only a lease just lost hurries: never more often than
                 # KEEPALIVE_RETRY otherwise, however many calls fail meanwhile.
                 await trio.sleep_until(last_round + KEEPALIVE_RETRY)
@@ -221,9 +209,9 @@ class ClusterNode:
             failed = True
             if calls.handed_over:
                 return  # the successor keeps the lease alive now
+            ownership.check_expiry()  # a lease found gone here is this round's to renew
             # Anything that fails from here on calls for another round.
-            calls.strays_suspected = trio.Event()
-            ownership.check_expiry()
+            calls.keeper_wanted = trio.Event()
             try:
                 await self._keep_lease_alive()
             except (EtcdUnavailable, EtcdError):

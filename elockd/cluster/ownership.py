@@ -94,8 +94,6 @@ class SessionOwnership:
         #: node has a new one), and when etcd may drop it, by this node's clock.
         self.lease = 0
         self.lease_expires_at = math.inf
-        #: Set when the lease is gone: the node gets a new one at once.
-        self.lease_wanted = trio.Event()
         #: Set while the node has a lease: a request waits on it while the node
         #: gets a new one (see :meth:`wait_for_lease`).
         self._lease_ready = trio.Event()
@@ -122,8 +120,6 @@ class SessionOwnership:
         self.lease_expires_at = expires_at
         if lease:
             self._lease_ready.set()
-            if self.lease_wanted.is_set():
-                self.lease_wanted = trio.Event()
         elif self._lease_ready.is_set():
             self._lease_ready = trio.Event()
 
@@ -155,7 +151,7 @@ class SessionOwnership:
             return
         self.set_lease(0, math.inf)
         self.lose_all(why)
-        self.lease_wanted.set()
+        self.calls.keeper_wanted.set()  # a new lease at once
 
     def lose_all(self, why: str) -> None:
         """Every session that wrote to etcd is lost (see :meth:`lose`)."""
