@@ -310,17 +310,18 @@ async def keepalive_ok(stream: trio.SocketStream, http: h11.Connection, request:
     return True
 
 
+async def silent(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+    """A member that takes requests and never answers."""
+    await trio.sleep_forever()
+    return False
+
+
 async def test_when_etcd_is_down_a_backlog_fails_at_once_not_a_deadline_each(
     nursery: trio.Nursery,
 ) -> None:
     """The member takes requests and never answers. The first call fails at its
     deadline; the four queued behind it were waiting while it did, so they fail at
     once too: a backlog drains in one deadline, not one deadline per call."""
-
-    async def silent(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
-        await trio.sleep_forever()
-        return False
-
     member = await FakeMember(silent).start(nursery)
     client = EtcdClient([member.url], max_concurrent=1, deadline=0.5, attempt_timeout=0.2)
     failed: list[str] = []
@@ -334,6 +335,34 @@ async def test_when_etcd_is_down_a_backlog_fails_at_once_not_a_deadline_each(
     async with trio.open_nursery() as calls:
         for i in range(5):
             calls.start_soon(put, i)
+    assert len(failed) == 5
+    assert trio.current_time() - start < 0.9
+    assert sum("while this one waited" in message for message in failed) == 4, failed
+    await client.aclose()
+
+
+async def test_when_etcd_is_down_txns_queued_for_a_batch_fail_at_once_too(
+    nursery: trio.Nursery,
+) -> None:
+    """The same for txns that wait in the batcher rather than for the window: five
+    txns that each write the key the others compare, so each needs a batch of its
+    own, and one batch in flight (a quarter of a window of 4). The first fails at
+    its deadline; the four queued behind it fail at once, not a deadline each."""
+    member = await FakeMember(silent).start(nursery)
+    client = EtcdClient([member.url], max_concurrent=4, deadline=0.5, attempt_timeout=0.2)
+    nursery.start_soon(client.run_batches)
+    failed: list[str] = []
+
+    async def claim(i: int) -> None:
+        with pytest.raises(EtcdUnavailable) as error:
+            await client.txn([compare_create(b"k", "==", 0)], [put_op(b"k", b"%d" % i)])
+        failed.append(str(error.value))
+
+    await trio.testing.wait_all_tasks_blocked()  # the batcher runs
+    start = trio.current_time()
+    async with trio.open_nursery() as calls:
+        for i in range(5):
+            calls.start_soon(claim, i)
     assert len(failed) == 5
     assert trio.current_time() - start < 0.9
     assert sum("while this one waited" in message for message in failed) == 4, failed

@@ -259,6 +259,7 @@ class EtcdClient:
             alone_on=(EtcdError,),
             unanswered=lambda: EtcdUnavailable("the node stopped with this txn in flight"),
             in_flight=batches_in_flight(max_concurrent),
+            stale=lambda since: self._gave_up_while_waiting("kv/txn", since),
         )
         # Only for watches: a stream holds its connection for life, none is worth keeping.
         self._http = httpx.AsyncClient(
@@ -325,16 +326,24 @@ class EtcdClient:
             await limiter.acquire()
             # Only a call that really waited: one sent at once is not failed for a
             # call that happened to give up while it passed its checkpoint.
-            if self._gave_up_at > queued_at:
+            if (error := self._gave_up_while_waiting(path, queued_at)) is not None:
                 limiter.release()
-                raise EtcdUnavailable(
-                    f"etcd gave no answer to {path}: another call ran out of its "
-                    f"{self.deadline}s while this one waited to be sent"
-                ) from None
+                raise error from None
         try:
             return await self._attempts(path, payload)
         finally:
             limiter.release()
+
+    def _gave_up_while_waiting(self, path: str, since: float) -> EtcdUnavailable | None:
+        """The error for a call that has waited to be sent since ``since`` if another
+        call ran out of its deadline meanwhile: etcd is not answering, and a backlog
+        must drain in one deadline, not one per call (or per batch)."""
+        if self._gave_up_at <= since:
+            return None
+        return EtcdUnavailable(
+            f"etcd gave no answer to {path}: another call ran out of its "
+            f"{self.deadline}s while this one waited to be sent"
+        )
 
     async def _attempts(self, path: str, payload: bytes) -> dict[str, Any]:
         """Send one call, failing over between endpoints, until ``deadline``."""

@@ -172,6 +172,7 @@ class Queued:
         "payload",
         "ranks",
         "reply",
+        "since",
         "txn",
         "withdrawn",
     )
@@ -186,6 +187,7 @@ class Queued:
         self.reply: dict[str, Any] | None = None
         self.error: Exception | None = None
         self.withdrawn = False
+        self.since = trio.current_time()  # queued
 
     def footprint(self) -> Footprint:
         if self._footprint is None:
@@ -221,10 +223,12 @@ class TxnBatcher:
         alone_on: tuple[type[Exception], ...],
         unanswered: Callable[[], Exception],
         in_flight: int,
+        stale: Callable[[float], Exception | None] = lambda since: None,
     ) -> None:
         self._send = send
         self._alone_on = alone_on
         self._unanswered = unanswered
+        self._stale = stale
         self._slots = trio.Semaphore(in_flight)
         self._queue: collections.deque[Queued] = collections.deque()
         self._arrived = trio.Event()
@@ -278,7 +282,7 @@ class TxnBatcher:
             queued = queue[0]
             if batch and ranks + queued.ranks > TOKENS_PER_REVISION:
                 break
-            if queued.withdrawn:
+            if queued.withdrawn or self._failed_stale(queued):
                 queue.popleft()
                 ranks += queued.ranks if batch else 0
                 continue
@@ -300,6 +304,17 @@ class TxnBatcher:
             size += len(queued.payload) + 20
             ranks += queued.ranks
         return batch
+
+    def _failed_stale(self, queued: Queued) -> bool:
+        """Fail ``queued`` at once if ``stale`` says so for the time it was queued
+        (etcd gave no answer to a call meanwhile): a txn waiting here is waiting
+        for the window, and fails as a call waiting there does."""
+        error = self._stale(queued.since)
+        if error is None:
+            return False
+        queued.error = error
+        queued.done.set()
+        return True
 
     async def _send_batch(self, batch: list[Queued]) -> None:
         failure: Exception | None = None  # the batch's, for every txn in it
