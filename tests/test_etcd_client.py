@@ -316,6 +316,25 @@ async def silent(stream: trio.SocketStream, http: h11.Connection, request: int) 
     return False
 
 
+async def five_at_once_against_silence(
+    call: Callable[[int], Awaitable[object]],
+) -> tuple[list[str], float]:
+    """Five calls of ``call`` at once to a member that never answers, each failing with
+    EtcdUnavailable: their messages, and how long until the last failed."""
+    failed: list[str] = []
+
+    async def one(i: int) -> None:
+        with pytest.raises(EtcdUnavailable) as error:
+            await call(i)
+        failed.append(str(error.value))
+
+    start = trio.current_time()
+    async with trio.open_nursery() as calls:
+        for i in range(5):
+            calls.start_soon(one, i)
+    return failed, trio.current_time() - start
+
+
 async def test_when_etcd_is_down_a_backlog_fails_at_once_not_a_deadline_each(
     nursery: trio.Nursery,
 ) -> None:
@@ -324,19 +343,9 @@ async def test_when_etcd_is_down_a_backlog_fails_at_once_not_a_deadline_each(
     once too: a backlog drains in one deadline, not one deadline per call."""
     member = await FakeMember(silent).start(nursery)
     client = EtcdClient([member.url], max_concurrent=1, deadline=0.5, attempt_timeout=0.2)
-    failed: list[str] = []
-
-    async def put(i: int) -> None:
-        with pytest.raises(EtcdUnavailable) as error:
-            await client.put(b"k", b"%d" % i)
-        failed.append(str(error.value))
-
-    start = trio.current_time()
-    async with trio.open_nursery() as calls:
-        for i in range(5):
-            calls.start_soon(put, i)
+    failed, took = await five_at_once_against_silence(lambda i: client.put(b"k", b"%d" % i))
     assert len(failed) == 5
-    assert trio.current_time() - start < 0.9
+    assert took < 0.9
     assert sum("while this one waited" in message for message in failed) == 4, failed
     await client.aclose()
 
@@ -351,20 +360,12 @@ async def test_when_etcd_is_down_txns_queued_for_a_batch_fail_at_once_too(
     member = await FakeMember(silent).start(nursery)
     client = EtcdClient([member.url], max_concurrent=4, deadline=0.5, attempt_timeout=0.2)
     nursery.start_soon(client.run_batches)
-    failed: list[str] = []
-
-    async def claim(i: int) -> None:
-        with pytest.raises(EtcdUnavailable) as error:
-            await client.txn([compare_create(b"k", "==", 0)], [put_op(b"k", b"%d" % i)])
-        failed.append(str(error.value))
-
     await trio.testing.wait_all_tasks_blocked()  # the batcher runs
-    start = trio.current_time()
-    async with trio.open_nursery() as calls:
-        for i in range(5):
-            calls.start_soon(claim, i)
+    failed, took = await five_at_once_against_silence(
+        lambda i: client.txn([compare_create(b"k", "==", 0)], [put_op(b"k", b"%d" % i)])
+    )
     assert len(failed) == 5
-    assert trio.current_time() - start < 0.9
+    assert took < 0.9
     assert sum("while this one waited" in message for message in failed) == 4, failed
     await client.aclose()
 
