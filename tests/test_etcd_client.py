@@ -27,6 +27,7 @@ from elockd.cluster.etcd_client import (
     Watch,
     WatchCompacted,
     compare_create,
+    compare_lease,
     compare_mod,
     delete_op,
     prefix_end,
@@ -550,6 +551,19 @@ async def test_txn_success_and_failure(client: EtcdClient, prefix: bytes) -> Non
     assert (await client.txn([compare_create(key, ">", 0)], [])).succeeded
     assert not (await client.txn([compare_create(key, "<", first.revision)], [])).succeeded
     assert (await client.txn([], [delete_op(key)])).responses[0]["response_delete_range"]
+
+
+async def test_compare_lease_tells_which_lease_a_key_hangs_on(
+    client: EtcdClient, prefix: bytes
+) -> None:
+    key = prefix + b"k"
+    (lease, _), (other, _) = await client.lease_grant(30), await client.lease_grant(30)
+    await client.put(key, b"v", lease)
+    assert (await client.txn([compare_lease(key, "==", lease)], [])).succeeded
+    assert not (await client.txn([compare_lease(key, "==", other)], [])).succeeded
+    await client.put(key, b"v", other)  # moved onto another lease, as a takeover does
+    assert not (await client.txn([compare_lease(key, "==", lease)], [delete_op(key)])).succeeded
+    assert [kv.lease for kv in (await client.get(key))[1]] == [other]
 
 
 async def test_compare_create_with_range_end_tells_if_a_prefix_is_empty(

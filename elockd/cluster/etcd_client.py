@@ -140,6 +140,11 @@ def compare_mod(key: bytes, op: str, revision: int) -> dict[str, Any]:
     return _compare(key, op, "MOD", "mod_revision", str(revision))
 
 
+def compare_lease(key: bytes, op: str, lease: int) -> dict[str, Any]:
+    """The lease the key hangs on (etcd 3.3+)."""
+    return _compare(key, op, "LEASE", "lease", str(lease))
+
+
 @dataclass(frozen=True, slots=True)
 class KeyValue:
     key: bytes

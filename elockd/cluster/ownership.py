@@ -39,6 +39,7 @@ from elockd.cluster.etcd_client import (
     Event,
     KeyValue,
     compare_create,
+    compare_lease,
     compare_mod,
     delete_op,
     prefix_end,
@@ -252,14 +253,21 @@ class SessionOwnership:
         """Delete entries, each only if it is still the one created at its revision
         (the session itself may have re-created the key since), and all only while
         this node still owns ``session``; with None, entries of a session this node
-        no longer has (strays on its lease, see the node's sweep). ``with_record``:
+        no longer has (strays on its lease, see the node's sweep), each only while
+        it still hangs on this node's lease: another node that took the session over
+        by ``conn_id`` may have moved it onto its own, keeping its create revision,
+        and holds it now. ``with_record``:
         the session's record goes too, with the last batch, so that if a txn fails
         midway the record and its guard stay and the sweep frees the rest. False
         once the guard fails: the session is another node's now, and so is the rest."""
-        deletes = [
-            txn_op([compare_create(key, "==", revision)], [delete_op(key)])
-            for key, revision in entries
-        ]
+        lease = self.lease
+
+        def compares(key: bytes, revision: int) -> list[dict[str, Any]]:
+            if session is not None:
+                return [compare_create(key, "==", revision)]
+            return [compare_create(key, "==", revision), compare_lease(key, "==", lease)]
+
+        deletes = [txn_op(compares(key, revision), [delete_op(key)]) for key, revision in entries]
         # etcd allows 128 operations per txn (--max-txn-ops) by default.
         batches = [
             deletes[start : start + DELETES_PER_TXN]
