@@ -30,10 +30,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from elockd.backend import QueueFull, TooManyHolds
+from elockd.cluster.etcd_client import EtcdClient
+from elockd.cluster.space import ClusterLockSpace
 from elockd.commands import COMMANDS
 from elockd.config import Config
 from elockd.framing import LineReader
 from elockd.handover import records, state
+from elockd.handover.cluster_state import ClusterRestorer, dump_cluster
 from elockd.handover.state import ConnectionState, Record, Restorer, StateError, dump_state
 from elockd.locks import FREE_SLICE
 from elockd.memory import MemoryBackend, Wait
@@ -1095,9 +1098,6 @@ async def test_a_node_with_a_lease_per_session_is_refused_by_a_successor() -> No
     """A cluster node from before one lease per node names no node lease in its
     state: the successor refuses it (the old node then serves on) rather than
     adopt sessions whose keys hang on leases nobody would keep alive."""
-    from elockd.cluster.etcd_client import EtcdClient
-    from elockd.cluster.space import ClusterLockSpace
-    from elockd.handover.cluster_state import ClusterRestorer
 
     client = EtcdClient(["http://127.0.0.1:9"])
     space = ClusterLockSpace(client, b"/p/")
@@ -1114,21 +1114,54 @@ async def test_a_node_with_a_lease_per_session_is_refused_by_a_successor() -> No
     await client.aclose()
 
 
+def hand_over_cluster(
+    old: ClusterLockSpace, new: ClusterLockSpace, *, old_now: float, new_now: float
+) -> None:
+    """Dump a cluster node's books (no connections) and feed them to a successor's,
+    through JSON as on the control socket."""
+    dumped = list(dump_cluster(Service(Config(), old, COMMANDS), [], now=old_now))
+    restorer = ClusterRestorer(Service(Config(), new, COMMANDS), new_now)
+    for record in dumped:
+        restorer.feed(json.loads(json.dumps(record)))
+
+
 async def test_sessions_taken_over_elsewhere_stay_left_to_that_node_after_a_handover() -> None:
     """A session another node took over by ``conn_id`` leaves its entries on this
     node's lease until that node moves them, and this node's sweep leaves that tag
     alone for a session TTL. A successor must go on leaving it alone for the time
     left, on its own clock, and forget tags whose time is up."""
-    from elockd.cluster.etcd_client import EtcdClient
-    from elockd.cluster.space import ClusterLockSpace
-    from elockd.handover.cluster_state import ClusterRestorer, dump_cluster
-
     client = EtcdClient(["http://127.0.0.1:9"])
     old, new = ClusterLockSpace(client, b"/p/"), ClusterLockSpace(client, b"/p/")
     old.ledger.moved_tags = {5: 100.0 + 7.5, 6: 100.0 - 1.0}
-    dumped = list(dump_cluster(Service(Config(), old, COMMANDS), [], now=100.0))
-    restorer = ClusterRestorer(Service(Config(), new, COMMANDS), 1000.0)
-    for record in dumped:
-        restorer.feed(json.loads(json.dumps(record)))
+    hand_over_cluster(old, new, old_now=100.0, new_now=1000.0)
     assert new.ledger.moved_tags == {5: 1000.0 + 7.5}
+    await client.aclose()
+
+
+async def test_a_cluster_nodes_count_of_etcd_not_answering_moves() -> None:
+    """``backend_unavailable`` (q and /metrics) moves like every other counter."""
+    client = EtcdClient(["http://127.0.0.1:9"])
+    old, new = ClusterLockSpace(client, b"/p/"), ClusterLockSpace(client, b"/p/")
+    old.calls.backend_unavailable = 3
+    hand_over_cluster(old, new, old_now=0.0, new_now=0.0)
+    assert new.backend_unavailable == 3
+    await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("prefix", "session_ttl", "refusal"),
+    [(b"/q/", 5, "--etcd-prefix /p/ there, /q/ here"), (b"/p/", 30, "--session-ttl 5 there")],
+)
+async def test_a_successor_with_another_prefix_or_session_ttl_is_refused(
+    prefix: bytes, session_ttl: int, refusal: str
+) -> None:
+    """Another prefix is another lock space; another session TTL would keep the
+    adopted leases alive too seldom (or needlessly often): refused, before the
+    successor takes on the old node's identity."""
+    client = EtcdClient(["http://127.0.0.1:9"])
+    old = ClusterLockSpace(client, b"/p/")
+    new = ClusterLockSpace(client, prefix, session_ttl=session_ttl)
+    with pytest.raises(StateError, match=refusal):
+        hand_over_cluster(old, new, old_now=0.0, new_now=0.0)
+    assert new.node_id != old.node_id
     await client.aclose()

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from elockd.backend import BackendUnavailable, Grant, QueueFull, TooManyHolds
+from elockd import protocol
+from elockd.backend import Grant
 from elockd.cluster.layout import EXCLUSIVE, SHARED
 from elockd.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, ClusterWait
 from elockd.cluster.space import ClusterLockSpace, WaitingRequest
@@ -61,6 +62,8 @@ def dump_cluster(
         "heartbeat_lease": space.node.heartbeat_lease,
         "sessions_lease": space.ownership.lease,
         "prefix": text(space.layout.root),
+        "session_ttl": space.session_ttl,
+        "backend_unavailable": space.calls.backend_unavailable,
         "orphans": ledger.orphans,
         "shared_orphans": ledger.shared_orphans,
         "expired": ledger.expired,
@@ -151,9 +154,7 @@ def dump_cluster(
     yield {"t": "end"}
 
 
-REFUSALS: dict[str, type[Exception]] = {
-    kind.__name__: kind for kind in (BackendUnavailable, QueueFull, TooManyHolds)
-}
+REFUSALS: dict[str, type[Exception]] = {kind.__name__: kind for kind in protocol.REFUSALS}
 
 
 def _answer_row(answer: ClusterAnswer) -> list[Any]:
@@ -196,6 +197,12 @@ class ClusterRestorer(StateReader):
             raise StateError(
                 f"--etcd-prefix {record['prefix']} there, {text(space.layout.root)} here"
             )
+        # The adopted leases were granted with the old TTL; kept alive every new
+        # TTL/3, a longer one would let them lapse under their sessions.
+        if record.get("session_ttl", space.session_ttl) != space.session_ttl:
+            raise StateError(
+                f"--session-ttl {record['session_ttl']} there, {space.session_ttl} here"
+            )
         if "sessions_lease" not in record:
             raise StateError(
                 "the old node keeps an etcd lease per session (an older elockd): "
@@ -207,6 +214,7 @@ class ClusterRestorer(StateReader):
         ledger.expired = record["expired"]
         ledger.timeouts = record["timeouts"]
         ledger.sessions_lost = record["sessions_lost"]
+        space.calls.backend_unavailable = record.get("backend_unavailable", 0)
         # Absent from an elockd before 2026-11-25: nothing to leave alone then.
         ledger.moved_tags = {tag: self.now + left for tag, left in record.get("moved_tags", [])}
         restore_service_counters(self.service, record)

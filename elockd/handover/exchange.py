@@ -4,9 +4,12 @@ The conversation on the control socket, after the successor connects:
 
 1. new -> old ``hello``: the state versions it reads.
 2. old: pauses every connection at a request boundary (:mod:`elockd.pause`), stops
-   accepting and stops its deadline timer, so the tables stand still.
+   accepting and stops its deadline timer (a cluster node also freezes its etcd
+   work and waits for what is under way), so the tables stand still.
 3. old -> new ``header`` with the listening sockets, then the state records
-   (:mod:`elockd.handover.state`), each connection with its socket, then ``end``.
+   (:mod:`elockd.handover.records`, with the backend's own tables from
+   :mod:`elockd.handover.state` or :mod:`elockd.handover.cluster_state`), each
+   connection with its socket, then ``end``.
 4. new: rebuilds everything without serving yet, then -> old ``ready``.
 5. old -> new ``go`` (it will never serve again) or ``aborted`` (it serves on).
    The old process decides once: ``go`` only if ``ready`` came in time.

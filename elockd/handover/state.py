@@ -25,8 +25,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from elockd.handover.records import (
-    FORMAT,
-    VERSION,
     ConnectionState,
     Record,
     StateError,
@@ -46,7 +44,7 @@ from elockd.protocol import Outcome, Service
 from elockd.sessions import WAITING, Hold, Session, Waiter
 from elockd.transport import Transport
 
-__all__ = ["FORMAT", "VERSION", "ConnectionState", "Restorer", "StateError", "dump_state"]
+__all__ = ["ConnectionState", "Restorer", "StateError", "dump_state"]
 
 #: Holds per record (column by column, see _holds).
 HOLDS_BATCH = 5000
