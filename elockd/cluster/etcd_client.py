@@ -230,8 +230,8 @@ class EtcdClient:
     ``max_concurrent``); the others queue for it in FIFO order, and their deadline
     starts only once they are sent, so a node's own backlog is never read as etcd
     not answering. Lease keepalives have :data:`URGENT_SLOTS` of their own. The
-    window also bounds the keep-alive connections of unary calls (see
-    :mod:`.etcd_transport`).
+    window and those places also bound the keep-alive connections of unary calls
+    (see :mod:`.etcd_transport`).
     Watches are not counted there: each holds an httpx streaming connection of its
     own for its whole life.
     """

@@ -91,8 +91,9 @@ def entry_value(
     peer: bytes | None = None,
 ) -> bytes:
     """An entry's value: a flag, ``h`` once a shared entry with a limit holds (``w``
-    before), with ``:RANK`` when the entry is not the first key of its request (an
-    ``mlock`` ranks its keys in byte order, for their fencing tokens); the request's
+    before), with ``:RANK`` unless its rank is 0 (the node's count of the entries
+    it creates, so that entries created at one revision get tokens of their own,
+    and an ``mlock``'s keys consecutive ones in byte order); the request's
     holder limit (0: none); its lease in seconds (0: none); the holder's address
     (``IP:PORT``, for glockd's ``dump``), and last the owner ``d`` shows, which may
     hold blanks. With an address the flag is upper case (``W``/``H``): values

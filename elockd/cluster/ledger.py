@@ -172,8 +172,8 @@ class Ledger(Bookkeeping):
         now: float,
         rank: int = 0,
     ) -> ClusterHold:
-        """A hold this node now keeps for ``session``; ``rank`` is its key's place
-        among its request's keys (see :func:`fencing_token`)."""
+        """A hold this node now keeps for ``session``; ``rank`` is its entry's (see
+        :func:`fencing_token`)."""
         shared = kind == SHARED
         token = fencing_token(self.token_floor, revision, rank)
         hold = ClusterHold(session, key, shared, revision, token, now)

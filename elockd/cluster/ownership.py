@@ -16,11 +16,11 @@ Here too is how a session ends, by the same rules as the in-memory engine: plain
 holds follow the session's grace time, holds with ``ttl=`` outlive the connection
 until they expire (this node runs both timers), and ``conn_id ID`` takes over a
 session that lives on without a connection, on this node or, once its node is
-gone, on another, which moves the session's entries onto its own lease in one
-guarded transaction. Kept apart from the lock recipe (:mod:`.recipe`), which only
-asks for a session's tag, the node's lease and the guard, and from the node's loops
-(:mod:`.node`), which keep the lease alive and tell it when a session was lost or
-moved.
+gone, on another, which moves the session's entries onto its own lease in guarded
+transactions (a claim of the record, then the entries in batches). Kept apart from
+the lock recipe (:mod:`.recipe`), which only asks for a session's tag, the node's
+lease and the guard, and from the node's loops (:mod:`.node`), which keep the
+lease alive and tell it when a session was lost or moved.
 """
 
 from __future__ import annotations
