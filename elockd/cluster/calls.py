@@ -93,7 +93,8 @@ class EtcdCalls:
         waits for its grant, and a hand-over counts its connection as at rest from
         the start, so only this tells that it got there."""
         while self._busy:
-            self._idle = trio.Event()
+            if self._idle.is_set():  # not one another waiter waits on
+                self._idle = trio.Event()
             await self._idle.wait()
 
     def _one_less(self) -> None:

@@ -342,7 +342,7 @@ class TxnBatcher:
             self.batched += len(batch)
             header = reply.get("header", {})
             for queued, response in zip(batch, reply.get("responses", []), strict=False):
-                answer = dict(response.get("response_txn", {}))
+                answer = response.get("response_txn") or {}  # this txn's alone
                 answer["header"] = header
                 queued.reply = answer
                 queued.done.set()
