@@ -22,7 +22,6 @@ import trio
 
 from elockd.backend import BackendUnavailable
 from elockd.cluster.etcd_client import EtcdClient, EtcdError, EtcdUnavailable
-from elockd.cluster.ledger import ClusterSession
 from elockd.logthrottle import LogThrottle
 
 log = logging.getLogger("elockd.cluster")
@@ -140,18 +139,18 @@ class EtcdCalls:
         self.keeper_wanted.set()
         log.warning("backend unavailable: etcd did not answer (%s)", what)
 
-    async def etcd(self, call: Awaitable[T], session: ClusterSession | None = None) -> T:
+    async def etcd(self, call: Awaitable[T]) -> T:
         """Await an etcd call: etcd without quorum, or an error reply, becomes
         BackendUnavailable (the request fails closed; the node stays up). "lease not
-        found" for a ``session``'s call means the node's lease expired before the
-        node noticed."""
+        found" means the node's lease expired before the node noticed: every write
+        that goes through here hangs on it."""
         try:
             return await call
         except EtcdUnavailable as error:
             self.unavailable(str(error) or "no quorum")
             raise BackendUnavailable("backend unavailable") from error
         except EtcdError as error:
-            if session is not None and "lease not found" in error.message:
+            if "lease not found" in error.message:
                 if self.on_lease_gone is not None:
                     self.on_lease_gone("etcd no longer knows the node's lease")
             else:

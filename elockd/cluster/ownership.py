@@ -214,7 +214,7 @@ class SessionOwnership:
                 )
                 put = put_op(record_key, value, lease)
                 result = await self.calls.etcd(
-                    self.client.txn([guard], [put], [range_op(record_key)]), session
+                    self.client.txn([guard], [put], [range_op(record_key)])
                 )
                 if result.succeeded:
                     session.record_revision = result.revision
@@ -279,7 +279,7 @@ class SessionOwnership:
             batches[-1].append(delete_op(self.layout.session_record(session.id)))
         for batch in batches:
             guard = [] if session is None else [self.record_guard(session)]
-            result = await self.calls.etcd(self.client.txn(guard, batch), session)
+            result = await self.calls.etcd(self.client.txn(guard, batch))
             if not result.succeeded:
                 return False
         return True
@@ -606,7 +606,6 @@ class SessionOwnership:
                         for kv in gone
                     ],
                 ),
-                session,
             )
             if not result.succeeded:
                 raise BackendUnavailable("the session's entries were freed while moving")

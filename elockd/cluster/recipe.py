@@ -215,7 +215,6 @@ class LockRecipe:
                 [range_op(p, prefix_end(p), sort_by_create=True, limit=1) for p in prefixes],
                 ranks=ranks_taken,
             ),
-            session,
         )
         now = trio.current_time()
         if result.succeeded:
@@ -263,7 +262,6 @@ class LockRecipe:
                 [range_op(e) for e in entries],
                 ranks=ranks_taken,
             ),
-            session,
         )
         if result.succeeded:
             revision = result.revision
@@ -447,7 +445,6 @@ class LockRecipe:
                 ],
                 reads,
             ),
-            session,
         )
         if not result.succeeded:
             # Another node took the session over (its watch event follows); what is
@@ -491,7 +488,7 @@ class LockRecipe:
         for start in range(0, len(keys), PUTS_PER_TXN):
             batch = keys[start : start + PUTS_PER_TXN]
             read = await self.calls.etcd(
-                self.client.txn([], [range_op(etcd_key) for etcd_key in batch]), session
+                self.client.txn([], [range_op(etcd_key) for etcd_key in batch])
             )
             puts = []
             for index, etcd_key in enumerate(batch):
@@ -511,9 +508,7 @@ class LockRecipe:
                 revision = found[0].create_revision
                 puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))
             if puts:
-                await self.calls.etcd(
-                    self.client.txn([self.ownership.record_guard(session)], puts), session
-                )
+                await self.calls.etcd(self.client.txn([self.ownership.record_guard(session)], puts))
 
     # ------------------------------------------------------------------ reads
 
