@@ -167,6 +167,9 @@ class LockRecipe:
         wait: float,
     ) -> Grant:
         now = trio.current_time()
+        # Before the ranks: a request refused after taking them would leave a gap
+        # in the count the batcher keeps tokens unique by (see _ranks).
+        lease = self.ownership.current_lease()
         ranks, ranks_taken = self._ranks(keys)
         owner, peer = session.owner, session.peer
         values = [entry_value(limit, ttl, owner, rank=ranks[k], peer=peer) for k in keys]
@@ -175,10 +178,10 @@ class LockRecipe:
         start = self.mirror.revision
         if kind == EXCLUSIVE and not wait:
             return await self._try_exclusive(
-                session, keys, entries, values, ttl, start, ranks, ranks_taken
+                session, keys, entries, values, lease, ttl, start, ranks, ranks_taken
             )
         revision, holds_now, holders = await self._enqueue(
-            session, kind, keys, entries, values, limit, start, ranks_taken
+            session, kind, keys, entries, values, lease, limit, start, ranks_taken
         )
         if holds_now and kind == SHARED and limit:
             holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
@@ -200,14 +203,14 @@ class LockRecipe:
         keys: list[bytes],
         entries: list[bytes],
         values: list[bytes],
+        lease: int,
         ttl: float | None,
         start: int,
         ranks: dict[bytes, int],
         ranks_taken: int,
     ) -> Grant:
         """One txn: if every key's queue is empty, enter them all."""
-        layout, lease = self.layout, self.ownership.current_lease()
-        prefixes = [layout.queue_prefix(EXCLUSIVE, k) for k in keys]
+        prefixes = [self.layout.queue_prefix(EXCLUSIVE, k) for k in keys]
         result = await self.calls.etcd(
             self.client.txn(
                 [compare_create(p, "==", 0, prefix_end(p)) for p in prefixes],
@@ -241,6 +244,7 @@ class LockRecipe:
         keys: list[bytes],
         entries: list[bytes],
         values: list[bytes],
+        lease: int,
         limit: int,
         start: int,
         ranks_taken: int,
@@ -250,7 +254,6 @@ class LockRecipe:
         when unknown)."""
         prefixes = [self.layout.queue_prefix(kind, k) for k in keys]
         shared = kind == SHARED  # the shared rule needs every entry's limit
-        lease = self.ownership.current_lease()
         result = await self.calls.etcd(
             self.client.txn(
                 [compare_create(e, "==", 0) for e in entries],
