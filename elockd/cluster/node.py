@@ -75,7 +75,12 @@ class ClusterNode:
         at once rather than after the session TTL."""
         await self.calls.until_answered(self._load_token_floor)
         if self.adopted_lease:
-            self._node_lease = await self.calls.until_answered(self._adopt_heartbeat)
+            # The predecessor's heartbeat lease, so that its sessions' records still
+            # name a live node; a new one if it ran out meanwhile.
+            adopted = self.adopted_lease
+            self._node_lease = await self.calls.until_answered(
+                lambda: self._renew_heartbeat(adopted)
+            )
         else:
             self._node_lease = await self.calls.until_answered(self._start_heartbeat)
         await self.calls.until_answered(self._adopt_or_grant_sessions_lease)
@@ -123,20 +128,22 @@ class ClusterNode:
             kvs = result.kvs(0)
         self.ledger.token_floor = int(kvs[0].value) if kvs else 0
 
-    async def _start_heartbeat(self) -> int:
+    async def _start_heartbeat(self, *, urgent: bool = False) -> int:
         lease, _ = await self.client.lease_grant(self._heartbeat_ttl())
-        await self.client.put(self.layout.node(self.node_id), b"%d" % os.getpid(), lease)
+        await self._beat(lease, urgent=urgent)
         return lease
 
-    async def _adopt_heartbeat(self) -> int:
-        """The predecessor's heartbeat lease, so that its sessions' records still name
-        a live node; a new one if it ran out meanwhile."""
-        if await self.client.lease_keepalive(self.adopted_lease) == 0:
-            return await self._start_heartbeat()
-        await self.client.put(
-            self.layout.node(self.node_id), b"%d" % os.getpid(), self.adopted_lease
-        )
-        return self.adopted_lease
+    async def _renew_heartbeat(self, lease: int, *, urgent: bool = False) -> int:
+        """Keep the heartbeat ``lease`` alive and write the node's key on it, or
+        start a new one if it ran out: the lease the heartbeat goes on with."""
+        if await self.client.lease_keepalive(lease) == 0:
+            return await self._start_heartbeat(urgent=urgent)
+        await self._beat(lease, urgent=urgent)
+        return lease
+
+    async def _beat(self, lease: int, *, urgent: bool) -> None:
+        pid = b"%d" % os.getpid()
+        await self.client.put(self.layout.node(self.node_id), pid, lease, urgent=urgent)
 
     @property
     def heartbeat_lease(self) -> int:
@@ -249,12 +256,7 @@ class ClusterNode:
             if self.calls.handed_over:
                 return  # the successor beats for this node now
             try:
-                if await self.client.lease_keepalive(self._node_lease) == 0:
-                    self._node_lease = await self._start_heartbeat()
-                else:
-                    node_key = self.layout.node(self.node_id)
-                    pid = b"%d" % os.getpid()
-                    await self.client.put(node_key, pid, self._node_lease, urgent=True)
+                self._node_lease = await self._renew_heartbeat(self._node_lease, urgent=True)
             except (EtcdUnavailable, EtcdError):
                 self.calls.unavailable("node heartbeat")
 
