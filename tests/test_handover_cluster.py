@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,29 +13,20 @@ import trio
 
 from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
 from tests.polling import eventually, until_waiting
-from tests.server_process import start_server, stop_server
+from tests.server_process import stop_server
 from tests.test_handover import (
     FAKE_SUCCESSOR,
     GetReleaseLoop,
     ask,
     connect,
+    old_server,
     resumable_hold,
     take_back,
+    take_over,
     wait_exit,
 )
 
 pytestmark = pytest.mark.cluster
-
-
-@contextmanager
-def node_process(
-    nodes: Nodes, *args: str, log: list[str] | None = None
-) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    process, port = start_server(*nodes.flags(), *args, log=log)
-    try:
-        yield process, port
-    finally:
-        stop_server(process)
 
 
 async def test_a_successor_node_takes_every_connection_and_session_over(
@@ -51,7 +40,7 @@ async def test_a_successor_node_takes_every_connection_and_session_over(
     control = tmp_path / "control.sock"
     old_log: list[str] = []
     other = nodes.start()
-    with node_process(nodes, "--control-socket", str(control), log=old_log) as (old, port):
+    with old_server(control, *nodes.flags(), log=old_log) as (old, port):
         holder, first, second, leaser, named, looper = [await connect(port) for _ in range(6)]
         watcher = await other.connect()
         assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
@@ -67,8 +56,7 @@ async def test_a_successor_node_takes_every_connection_and_session_over(
         new_log: list[str] = []
 
         def successor() -> subprocess.Popen[str]:
-            process, _ = start_server(*nodes.flags(), "--take-over", str(control), log=new_log)
-            return process
+            return take_over(control, *nodes.flags(), log=new_log)
 
         # Past two session TTLs after it: only the successor keeps the leases alive.
         new, took = await loop.across(successor, old, 2.5 * TEST_SESSION_TTL)
@@ -117,9 +105,7 @@ async def test_a_failed_successor_leaves_the_node_serving_with_every_wait_in_pla
     granted in order, and its holds and sessions carry on."""
     control = tmp_path / "control.sock"
     log: list[str] = []
-    with node_process(
-        nodes, "--control-socket", str(control), "--handover-timeout", "1", log=log
-    ) as (old, port):
+    with old_server(control, *nodes.flags(), "--handover-timeout", "1", log=log) as (old, port):
         holder, first, second = [await connect(port) for _ in range(3)]
         assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
         await first.send(b"lock k1 30\n")
@@ -164,11 +150,9 @@ async def test_a_handed_over_node_session_can_be_taken_back_by_conn_id(
     """A word session in grace after the hand-over is taken back with conn_id on the
     successor: its record's revision (the guard of every free) came along."""
     control = tmp_path / "control.sock"
-    with node_process(nodes, "--control-socket", str(control)) as (old, port):
+    with old_server(control, *nodes.flags()) as (old, port):
         worker, session_id = await resumable_hold(port, b"nightly")
-        new, _ = await trio.to_thread.run_sync(
-            lambda: start_server(*nodes.flags(), "--take-over", str(control))
-        )
+        new = await trio.to_thread.run_sync(lambda: take_over(control, *nodes.flags()))
         try:
             assert await wait_exit(old, 10) == 0
             back = await take_back(worker, port, session_id)
@@ -182,7 +166,7 @@ async def test_a_successor_without_etcd_is_refused_by_a_node(nodes: Nodes, tmp_p
     """Tables of one backend cannot become another's: the successor says why and
     exits, and the node serves on."""
     control = tmp_path / "control.sock"
-    with node_process(nodes, "--control-socket", str(control)) as (old, port):
+    with old_server(control, *nodes.flags()) as (old, port):
         holder = await connect(port)
         assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
         result = await trio.run_process(
@@ -203,7 +187,7 @@ async def test_waits_of_every_kind_move_with_the_requests_behind_them(
     pipelined behind it (one of them still unread), and a waiter that leaves on the
     successor: each ends as it would have on the old node."""
     control = tmp_path / "control.sock"
-    with node_process(nodes, "--control-socket", str(control)) as (old, port):
+    with old_server(control, *nodes.flags()) as (old, port):
         one, two, shared_waiter, holder, mlocker, piper, leaver = [
             await connect(port) for _ in range(7)
         ]
@@ -217,9 +201,7 @@ async def test_waits_of_every_kind_move_with_the_requests_behind_them(
         await piper.send(b"lock k1 30\nping\n")
         await leaver.send(b"lock k1 30\n")
         await until_waiting(holder, b"k1", 2)
-        new, _ = await trio.to_thread.run_sync(
-            lambda: start_server(*nodes.flags(), "--take-over", str(control))
-        )
+        new = await trio.to_thread.run_sync(lambda: take_over(control, *nodes.flags()))
         try:
             assert await wait_exit(old, 10) == 0
             await piper.send(b"ping\n")  # after the hand-over, behind the waiting lock
