@@ -295,7 +295,9 @@ async def test_a_keepalive_is_not_queued_behind_the_backlog(nursery: trio.Nurser
     async with trio.open_nursery() as calls:
         for i in range(6):
             calls.start_soon(client.put, b"k", b"%d" % i)
-        await trio.sleep(0.1)  # the window is full, four more wait
+        # The window is full (two puts at the member, after the first keepalive),
+        # and four more wait.
+        await eventually(lambda: member.requests == 3, timeout=5, what="the window full")
         member.behave = keepalive_ok
         start = trio.current_time()
         assert await client.lease_keepalive(1) == 5
