@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -88,6 +88,19 @@ async def still_held(client: LineClient, keys: list[bytes], seconds: float) -> d
     with contextlib.suppress(NotInTime):
         await eventually(all_taken, timeout=seconds, interval=0.1)
     return {key: await client.request(b"info " + key) for key in left}
+
+
+@contextlib.contextmanager
+def without_quorum(etcd: EtcdCluster, survivor: str) -> Iterator[None]:
+    """Every member but ``survivor`` stopped (SIGSTOP) for the block, resumed after."""
+    paused = [name for name in etcd.members if name != survivor]
+    for name in paused:
+        etcd.stop(name)
+    try:
+        yield
+    finally:
+        for name in paused:
+            etcd.cont(name)
 
 
 async def until_leaderless(etcd: EtcdCluster, name: str) -> None:
@@ -391,17 +404,10 @@ async def test_without_quorum_requests_fail_closed_and_recover(nodes: Nodes) -> 
         reply = await client.request(line)
         replies[line] = (reply, trio.current_time() - sent)
 
-    paused = [name for name in etcd.members if name != survivor]
-    for name in paused:
-        etcd.stop(name)
-    try:
-        with trio.fail_after(1.5 + 2):
-            async with trio.open_nursery() as nursery:
-                for client, line in requests:
-                    nursery.start_soon(ask, client, line)
-    finally:
-        for name in paused:
-            etcd.cont(name)
+    with without_quorum(etcd, survivor), trio.fail_after(1.5 + 2):
+        async with trio.open_nursery() as nursery:
+            for client, line in requests:
+                nursery.start_soon(ask, client, line)
     for _, line in requests:
         reply, took = replies[line]
         print(f"{line!r} -> {reply!r} in {took:.2f} s")
@@ -445,11 +451,8 @@ async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
         assert await leaser.request(b"lock T ttl=30") == b"200 Acquired"
         await waiter.send(b"lock U2 4\n")  # times out in the outage, after the next 2 s
         await until_waiting(checker, b"U2", 1)
-    paused = [name for name in etcd.members if name != survivor]
-    for name in paused:
-        etcd.stop(name)
-    stopped = trio.current_time()
-    try:
+    with without_quorum(etcd, survivor):
+        stopped = trio.current_time()
         with trio.fail_after(10):
             await until_leaderless(etcd, survivor)
         assert trio.current_time() - stopped < 4, "too late for the waiter's timeout"
@@ -461,9 +464,6 @@ async def test_frees_refused_without_quorum_are_not_lost(nodes: Nodes) -> None:
         with trio.fail_after(4 + 1.5 + 1):
             assert await waiter.line() == b"409 Unavailable\r\n"
         await trio.sleep(max(0.0, stopped + 6.5 - trio.current_time()))  # T's free gave up
-    finally:
-        for name in paused:
-            etcd.cont(name)
     with trio.fail_after(15):
         probe = await node.connect()
         await until_served(probe)
@@ -489,17 +489,11 @@ async def unlock_refused_without_quorum(
     with trio.fail_after(10):
         client, probe = await node.connect(), await node.connect()
         assert await client.request(b"lock K") == b"200 Acquired"
-    paused = [name for name in etcd.members if name != survivor]
-    for name in paused:
-        etcd.stop(name)
-    try:
+    with without_quorum(etcd, survivor):
         with trio.fail_after(10):
             await until_leaderless(etcd, survivor)
         with trio.fail_after(1.5 + 1):
             assert await client.request(b"unlock K") == b"409 Backend Unavailable"
-    finally:
-        for name in paused:
-            etcd.cont(name)
     return client, probe, started
 
 
