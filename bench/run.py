@@ -1018,7 +1018,8 @@ def main() -> None:
         type=at_least(0),
         default=10_000,
         metavar="N",
-        help="connections in the etcd burst row, each taking one lock (0: no burst/idle rows)",
+        help="connections in the etcd burst row, each taking one lock "
+        "(0: no burst, idle or kill rows)",
     )
     parser.add_argument(
         "--etcd-burst-wait",
