@@ -908,13 +908,12 @@ def etcd_rows(
         }
         one = {**common, **process_counters("node1", nodes[0].pid)}
         both = {**one, **process_counters("node2", nodes[1].pid)}
-        before = {name: counter() for name, counter in both.items()}
-        time.sleep(2)
-        idle = {name: (counter() - before[name]) / 2 for name, counter in both.items()}
+        with Window(both) as idle:
+            time.sleep(2)
         print(
-            f"Idle for 2 s before the rows: etcd {idle['etcd'] * 100:.0f} %, nodes "
-            f"{idle['node1'] * 100:.0f} + {idle['node2'] * 100:.0f} %, etcd "
-            f"{idle['commits']:.1f} commits/s, box {idle['box'] * 100:.0f} %."
+            f"Idle for 2 s before the rows: etcd {idle.rate('etcd') * 100:.0f} %, nodes "
+            f"{idle.rate('node1') * 100:.0f} + {idle.rate('node2') * 100:.0f} %, etcd "
+            f"{idle.rate('commits'):.1f} commits/s, box {idle.rate('box') * 100:.0f} %."
         )
         print()
         print(
