@@ -37,7 +37,6 @@ import selectors
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from bench.run import (
     q_counters,
     raise_file_limit,
     running,
+    started_etcd,
 )
 from elockd.config import Config
 
@@ -304,13 +304,8 @@ def counted(counts: collections.Counter[str], kinds: tuple[str, ...] = ()) -> st
 def scale_rows(ttl: int, count: int, wait: float, idle: float) -> None:
     """The burst row and the idle row, on a fresh 3-member etcd and a node of their
     own (module docstring): the load rows' nodes and keys cost it nothing."""
-    from tests.etcd_cluster import EtcdCluster
-
     with contextlib.ExitStack() as stack:
-        base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="elockd-bench-scale-")))
-        cluster = EtcdCluster(base)
-        stack.callback(cluster.close)
-        cluster.start()
+        base, cluster = started_etcd(stack, "scale")
         port = free_port()
         command = etcd_node_command(port, cluster.endpoints, "/bench-burst/", ttl)
         command += ["--log-format", "json"]  # for print_log_events

@@ -695,6 +695,18 @@ def on(port: int, key: bytes, cycle: Cycle, holders: Holders | None = None) -> C
     return functools.partial(elockd_client, port, key, cycle, holders)
 
 
+def started_etcd(stack: contextlib.ExitStack, name: str) -> tuple[Path, Any]:
+    """A fresh 3-member etcd cluster (tests/etcd_cluster.py) in a temporary
+    directory, both gone when ``stack`` closes: the directory and the cluster."""
+    from tests.etcd_cluster import EtcdCluster
+
+    base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"elockd-bench-{name}-")))
+    cluster = EtcdCluster(base)
+    stack.callback(cluster.close)
+    cluster.start()
+    return base, cluster
+
+
 def etcd_node_command(port: int, endpoints: list[str], prefix: str, ttl: int) -> list[str]:
     return [
         sys.executable,
@@ -870,8 +882,6 @@ def etcd_rows(
     load rows run once per client count in ``counts``; the scale rows
     (bench/etcd_scale.py) come last, so their burst disturbs none of the others."""
     sys.path.insert(0, str(ROOT))
-    from tests.etcd_cluster import EtcdCluster
-
     print()
     print(
         f"etcd backend: 3 etcd members, 2 elockd nodes and the clients (threads of this "
@@ -883,10 +893,7 @@ def etcd_rows(
     prefix = f"/bench-{uuid.uuid4().hex[:10]}/"
     results: dict[tuple[str, int], LoopResult] = {}
     with contextlib.ExitStack() as stack:
-        base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="elockd-bench-etcd-")))
-        cluster = EtcdCluster(base)
-        stack.callback(cluster.close)
-        cluster.start()
+        base, cluster = started_etcd(stack, "etcd")
         members = [m.process.pid for m in cluster.members.values() if m.process]
         ports = [free_port(), free_port()]
         nodes = [
