@@ -109,6 +109,9 @@ async def test_fifo_order_and_increasing_tokens_over_two_nodes(nodes: Nodes) -> 
             assert info[b"exclusive"] == b"w%d" % i
             assert info[b"waiting"] == b"%d" % (3 - i)
             tokens.append(await token_of(waiter, b"K"))
+            # A waited grant's token, here as in info on its node, is its entry's:
+            # revision and the rank its node gave it.
+            assert info[b"token"] == b"%d" % tokens[-1], info
             releasing = waiter
         assert await releasing.request(b"unlock K") == b"200 Unlocked"
     assert tokens == sorted(set(tokens)), tokens  # strictly increasing
@@ -518,8 +521,10 @@ async def test_conn_id_takes_over_a_session_of_a_dead_node(nodes: Nodes, etcd: E
         assert await token_of(live, b"L") > 0
 
         assert await owner.request(b"set_timeout 10000") == b"200 timeout set"
+        # J first: K's entry then has a rank above 0, which its token is made of too.
+        assert await owner.request(b"lock J") == b"200 Acquired"
         assert await owner.request(b"lock K") == b"200 Acquired"
-        token = await token_of(owner, b"K")
+        token, j_token = await token_of(owner, b"K"), await token_of(owner, b"J")
         session_id = (await owner.request(b"conn_id")).split()[1]
     a.kill()
     killed = trio.current_time()
@@ -536,7 +541,10 @@ async def test_conn_id_takes_over_a_session_of_a_dead_node(nodes: Nodes, etcd: E
     assert trio.current_time() - killed < 5.5
     with trio.fail_after(5):
         assert await heir.request(b"conn_id") == b"200 " + session_id
+        # A token is the same for the life of the hold (PROTOCOL.md), moved or not.
         assert await token_of(heir, b"K") == token
+        assert await token_of(heir, b"J") == j_token
+        assert (await info_of(other, b"K"))[b"token"] == b"%d" % token
         # Its entry moved onto node b's lease, beside the entry of b's own session
         # on L, keeping its create revision (hence its token).
         entries = {kv.key.split(b"/")[-2]: kv for kv in await etcd_kvs(etcd, root + b"q/x/")}
