@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from elockd.cluster.etcd_client import EtcdClient, KeyValue, prefix_end
-from tests.cluster_nodes import Node, Nodes
+from tests.cluster_nodes import TEST_SESSION_TTL, Node, Nodes
 from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, free_ports
 from tests.polling import eventually, nothing_arrives, resumed, stats_showing, until_waiting
@@ -808,3 +808,31 @@ async def test_repeats_renew_of_shared_and_quit_follow_protocol(nodes: Nodes) ->
             return await other.request(b"g P") == b"1 Got Lock"
 
         await eventually(freed, interval=0.02)
+
+
+async def test_a_session_living_on_its_lease_is_taken_over_on_another_live_node(
+    nodes: Nodes,
+) -> None:
+    """PROTOCOL.md: a session whose connection ended lives on while it still owns a
+    lease, and meanwhile ``conn_id ID`` can take it over. In a cluster, also from
+    another node while its own runs: the hold, its token and its lease timer move
+    there, and the old node's keeper rounds (every TTL/3) free nothing of it."""
+    a, b = nodes.start(), nodes.start()
+    holder, probe, heir = await a.connect(), await a.connect(), await b.connect()
+    with trio.fail_after(5):
+        assert await holder.request(b"lock K ttl=30") == b"200 Acquired"
+        token = await token_of(holder, b"K")
+        session_id = (await holder.request(b"conn_id")).split()[1]
+        assert await holder.request(b"quit") == b"200 Bye"
+    await eventually(lambda: resumed(heir, session_id), timeout=5, interval=0.05)
+    with trio.fail_after(5):
+        assert await token_of(heir, b"K") == token
+        assert float((await info_of(heir, b"K"))[b"ttl"]) > 25
+    # Two of node a's keeper rounds and sweeps (TTL 2): the wait is the assertion.
+    await trio.sleep(2 * TEST_SESSION_TTL / 3 + 0.5)
+    with trio.fail_after(5):
+        assert await probe.request(b"g K") == b"0 Cannot Get Lock"
+        assert await heir.request(b"renew K ttl=60") == b"200 Renewed"
+        assert await heir.request(b"unlock K") == b"200 Unlocked"
+        assert await probe.request(b"g K") == b"1 Got Lock"
+        assert await token_of(probe, b"K") > token
