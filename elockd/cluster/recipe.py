@@ -195,7 +195,11 @@ class LockRecipe:
         if not wait:
             await self.ownership.delete_entries(session, [(e, revision) for e in entries])
             return Grant(False, await self._holders(keys[0]))
-        return await self._wait(session, kind, keys, entries, revision, limit, ttl, wait)
+        queued = trio.current_time()
+        state = ClusterWait(
+            session, kind, keys, entries, revision, limit, ttl, queued + wait, queued
+        )
+        return await self._wait_for(state)  # acquire keeps its entries pending
 
     async def _try_exclusive(
         self,
@@ -286,29 +290,11 @@ class LockRecipe:
             return found[0][0].create_revision, False, None
         raise BackendUnavailable("an entry of this session is already queued")
 
-    async def _wait(
-        self,
-        session: ClusterSession,
-        kind: bytes,
-        keys: list[bytes],
-        entries: list[bytes],
-        revision: int,
-        limit: int,
-        ttl: float | None,
-        wait: float,
-    ) -> Grant:
-        now = trio.current_time()
-        state = ClusterWait(session, kind, keys, entries, revision, limit, ttl, now + wait, now)
-        return await self.wait_for(state)
-
     async def wait_for(self, state: ClusterWait) -> Grant:
-        """Wait until the mirror grants ``state``'s entries, or its deadline. Also
-        the wait of a request a hand-over stopped, here or on a predecessor: its
-        entries kept their place in the queues meanwhile.
-
-        While a hand-over copies the books (``calls.frozen``) the outcome waits: a
-        grant or a timeout is whoever serves the connection next's to give. If this
-        task ends meanwhile, the wait is kept, suspended, entries and all."""
+        """Resume the wait of a request a hand-over stopped, here or on a predecessor
+        (its entries kept their place in the queues meanwhile): :meth:`_wait_for`,
+        with its entries kept from the sweep as :meth:`acquire` keeps a new
+        request's."""
         # Not strays to the sweep until the request has ended (a shared grant is
         # marked held after the wait), or while a hand-over keeps the wait.
         state.session.pending.update(state.entries)
@@ -319,6 +305,11 @@ class LockRecipe:
                 state.session.pending.difference_update(state.entries)
 
     async def _wait_for(self, state: ClusterWait) -> Grant:
+        """Wait until the mirror grants ``state``'s entries, or its deadline.
+
+        While a hand-over copies the books (``calls.frozen``) the outcome waits: a
+        grant or a timeout is whoever serves the connection next's to give. If this
+        task ends meanwhile, the wait is kept, suspended, entries and all."""
         ledger, calls = self.ledger, self.calls
         session, kind, keys, entries = state.session, state.kind, state.keys, state.entries
         revision, limit, ttl = state.revision, state.limit, state.ttl
