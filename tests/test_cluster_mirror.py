@@ -90,6 +90,23 @@ def test_waiter_judged_only_once_the_mirror_reaches_its_revision() -> None:
     assert waiter.state == GRANTED
 
 
+def test_a_waiter_on_no_queue_is_woken_once_the_mirror_reaches_its_revision() -> None:
+    """How a takeover waits for the mirror to know every entry up to a revision."""
+    mirror = QueueMirror(LAYOUT)
+    woken: list[int] = []
+    waiter = ClusterWaiter([], 0)
+    waiter.revision, waiter.wake = 6, lambda: woken.append(mirror.revision)
+    mirror.add_waiter(waiter)
+    mirror.apply([put(EXCLUSIVE, b"k", 1, 5, 1)])
+    assert woken == [] and waiter.state == WAITING
+    mirror.apply([put(EXCLUSIVE, b"x", 2, 6, 1)])
+    assert woken == [6] and waiter.state == GRANTED
+    already = ClusterWaiter([], 0)
+    already.revision, already.wake = 6, lambda: woken.append(0)
+    mirror.add_waiter(already)  # there already: woken at once
+    assert woken == [6, 0]
+
+
 def test_waiter_whose_entry_vanishes_is_lost() -> None:
     mirror = QueueMirror(LAYOUT)
     mirror.apply([put(EXCLUSIVE, b"k", 1, 3, 1), put(EXCLUSIVE, b"k", 2, 4, 1)])

@@ -58,7 +58,7 @@ from elockd.cluster.layout import (
     parse_record,
 )
 from elockd.cluster.ledger import ClusterHold, ClusterSession, Ledger
-from elockd.cluster.mirror import QueueMirror, granted_kvs
+from elockd.cluster.mirror import ClusterWaiter, QueueMirror, granted_kvs
 from elockd.sessions import Session
 
 log = logging.getLogger("elockd.cluster")
@@ -612,11 +612,17 @@ class SessionOwnership:
 
     async def _mirror_reaches(self, revision: int) -> None:
         """Wait until the mirror has seen ``revision``: it then knows every entry
-        created before it."""
-        with trio.move_on_after(self.client.deadline):
-            while self.mirror.revision < revision:
-                await trio.sleep(0.005)
-            return
+        created before it. A waiter on no queue is what the mirror wakes then."""
+        reached = trio.Event()
+        waiter = ClusterWaiter([], 0)
+        waiter.revision, waiter.wake = revision, reached.set
+        self.mirror.add_waiter(waiter)
+        try:
+            with trio.move_on_after(self.client.deadline):
+                await reached.wait()
+                return
+        finally:
+            self.mirror.remove_waiter(waiter)
         raise BackendUnavailable("this node's watch is behind etcd")
 
     async def end_all(self) -> None:
