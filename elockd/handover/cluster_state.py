@@ -26,6 +26,7 @@ from elockd.cluster.layout import EXCLUSIVE, SHARED
 from elockd.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, ClusterWait
 from elockd.cluster.space import ClusterLockSpace, WaitingRequest
 from elockd.handover.records import (
+    SESSION_FIELDS,
     ConnectionState,
     Record,
     StateError,
@@ -35,7 +36,9 @@ from elockd.handover.records import (
     raw,
     rebuild_connections,
     restore_service_counters,
+    restored_session,
     service_counters,
+    session_row,
     text,
     time_left,
 )
@@ -84,16 +87,7 @@ def dump_cluster(
     def session_rows() -> Iterator[list[Any]]:
         for session in sessions:
             index[session] = len(index)
-            yield [
-                session.id,
-                text(session.peer),
-                None if session.name is None else text(session.name),
-                session.grace,
-                session.connected,
-                time_left(session.grace_deadline, now),
-                session.tag,
-                session.record_revision,
-            ]
+            yield [*session_row(session, now), session.tag, session.record_revision]
 
     yield from batches("cluster_sessions", session_rows())
 
@@ -222,20 +216,15 @@ class ClusterRestorer(StateReader):
     def _cluster_sessions(self, record: Record) -> None:
         ledger, now = self.space.ledger, self.now
         for row in record["rows"]:
-            session_id, peer, name, grace, connected, grace_left, tag, revision = row
-            session = ClusterSession(session_id, raw(peer))
-            session.name = None if name is None else raw(name)
-            session.grace = grace
-            session.connected = connected
-            session.tag = tag
-            session.record_revision = revision
-            ledger.sessions[session_id] = session
-            if tag:
-                ledger.by_tag[tag] = session
-            if grace_left is not None:
+            session, grace_deadline = restored_session(ClusterSession, row, now)
+            session.tag, session.record_revision = row[SESSION_FIELDS:]
+            ledger.sessions[session.id] = session
+            if session.tag:
+                ledger.by_tag[session.tag] = session
+            if grace_deadline is not None:
                 ledger.sessions_in_grace += 1
-                session.grace_deadline = now + grace_left
-                ledger.schedule(session.grace_deadline, session)
+                session.grace_deadline = grace_deadline
+                ledger.schedule(grace_deadline, session)
             self.sessions.append(session)
 
     def _cluster_holds(self, record: Record) -> None:

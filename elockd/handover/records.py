@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from elockd.backend import Later
 from elockd.framing import LineReader
@@ -52,6 +52,37 @@ def raw(data: str) -> bytes:
 def time_left(deadline: float | None, now: float) -> float | None:
     """A deadline as a duration: each process has its own clock (None: no deadline)."""
     return None if deadline is None or deadline == math.inf else deadline - now
+
+
+#: Fields every backend's session row starts with (see :func:`session_row`).
+SESSION_FIELDS = 6
+S = TypeVar("S", bound=Session)
+
+
+def session_row(session: Session, now: float) -> list[Any]:
+    """What every backend keeps of a session: id, peer, name, grace, whether
+    connected, and the grace time left (None: not in grace). A backend adds its own
+    fields after these."""
+    name = None if session.name is None else text(session.name)
+    return [
+        session.id,
+        text(session.peer),
+        name,
+        session.grace,
+        session.connected,
+        time_left(session.grace_deadline, now),
+    ]
+
+
+def restored_session(kind: type[S], row: Sequence[Any], now: float) -> tuple[S, float | None]:
+    """A session of ``kind`` from a row's first :data:`SESSION_FIELDS`, and when its
+    grace ends on this clock (None: not in grace)."""
+    session_id, peer, name, grace, connected, grace_left = row[:SESSION_FIELDS]
+    session = kind(session_id, raw(peer))
+    session.name = None if name is None else raw(name)
+    session.grace = grace
+    session.connected = connected
+    return session, None if grace_left is None else now + grace_left
 
 
 def batches(kind: str, rows: Iterator[list[Any]]) -> Iterator[Record]:

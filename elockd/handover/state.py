@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from elockd.handover.records import (
+    SESSION_FIELDS,
     ConnectionState,
     Record,
     StateError,
@@ -34,7 +35,9 @@ from elockd.handover.records import (
     raw,
     rebuild_connections,
     restore_service_counters,
+    restored_session,
     service_counters,
+    session_row,
     text,
     time_left,
 )
@@ -116,15 +119,7 @@ def dump_state(
     def sessions() -> Iterator[list[Any]]:
         for session in engine.sessions.values():
             index[session] = len(index)
-            yield [
-                session.id,
-                text(session.peer),
-                None if session.name is None else text(session.name),
-                session.grace,
-                session.connected,
-                time_left(session.grace_deadline, now),
-                order.get(session),
-            ]
+            yield [*session_row(session, now), order.get(session)]
 
     yield from batches("sessions", sessions())
     yield from _holds("exclusive", iter(engine.exclusive.values()), now, index, order)
@@ -223,18 +218,16 @@ class Restorer(StateReader):
 
     def _sessions(self, record: Record) -> None:
         engine, now = self.engine, self.now
-        for session_id, peer, name, grace, connected, grace_left, order in record["rows"]:
-            session = Session(session_id, raw(peer))
-            session.name = None if name is None else raw(name)
-            session.grace = grace
-            session.connected = connected
-            engine.sessions[session_id] = session
-            if not connected:
+        for row in record["rows"]:
+            session, grace_deadline = restored_session(Session, row, now)
+            (order,) = row[SESSION_FIELDS:]
+            engine.sessions[session.id] = session
+            if not session.connected:
                 engine.detached += 1
-            if grace_left is not None:
+            if grace_deadline is not None:
                 engine.sessions_in_grace += 1
-                session.grace_deadline = now + grace_left
-                self.deadlines.append((order, session.grace_deadline, session))
+                session.grace_deadline = grace_deadline
+                self.deadlines.append((order, grace_deadline, session))
             self.sessions.append(session)
 
     def _columns(self, record: Record, *fields: str) -> tuple[list[bytes], list[list[Any]]]:
