@@ -196,7 +196,9 @@ async def test_waits_of_every_kind_move_with_the_requests_behind_them(
         await shared_waiter.send(b"lock_shared p 30 limit=2\n")
         await until_waiting(holder, b"p")
         assert await ask(holder, b"lock b") == b"200 Acquired\r\n"
-        await mlocker.send(b"mlock a b wait=2\n")
+        await mlocker.send(b"mlock a b wait=6\n")
+        mlock_sent = trio.current_time()
+        await until_waiting(holder, b"b")
         assert await ask(holder, b"lock k1") == b"200 Acquired\r\n"
         await piper.send(b"lock k1 30\nping\n")
         await leaver.send(b"lock k1 30\n")
@@ -204,8 +206,10 @@ async def test_waits_of_every_kind_move_with_the_requests_behind_them(
         new = await trio.to_thread.run_sync(lambda: take_over(control, *nodes.flags()))
         try:
             assert await wait_exit(old, 10) == 0
+            # The mlock's wait then ran out on the successor, not on the old node.
+            assert trio.current_time() - mlock_sent < 6, "the hand-over outlasted the wait"
             await piper.send(b"ping\n")  # after the hand-over, behind the waiting lock
-            with trio.fail_after(5):
+            with trio.fail_after(10):
                 assert await mlocker.line() == b"409 Unavailable b\r\n"
             # (its count may include the waiter it let in: not what is tested here)
             assert (await ask(one, b"unlock_shared p")).startswith(b"200 ")
