@@ -442,8 +442,9 @@ async def test_a_nodes_sessions_hang_on_one_lease_and_a_disconnect_frees_at_once
 ) -> None:
     """40 sessions of one node, each holding a lock: their 40 entries and 40 records
     hang on one etcd lease (one keepalive for all), not the heartbeat's. Closing
-    half of them deletes exactly their entries and records, at once."""
-    node = nodes.start()
+    half of them deletes exactly their entries and records, at once. Session TTL
+    30: no sweep round (every TTL/3) comes in time to do it instead."""
+    node = nodes.start("--session-ttl", "30")
     root = nodes.prefix.encode()
     clients = [await node.connect() for _ in range(40)]
     with trio.fail_after(20):
