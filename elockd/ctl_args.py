@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import ssl
 from importlib import metadata
 from typing import Any, NoReturn
@@ -17,6 +18,7 @@ from typing import Any, NoReturn
 from elockd.client.base import describe
 from elockd.client.core import encode_key, quoted
 from elockd.client.websocket import parse_url
+from elockd.ctl_argv import Scanner
 from elockd.ctl_status import EXIT_FALSE, EXIT_USAGE
 
 PROBE_VERBS = ("g", "r", "i", "sg", "sr", "si")
@@ -215,8 +217,8 @@ def add_lock_parser(commands: Any) -> None:
         "lock",
         help="run COMMAND while holding KEY (like flock(1))",
         description="Take KEY, run COMMAND, release KEY when it ends.",
-        usage="elockctl lock KEY [options] -- COMMAND [ARGS...]\n"
-        "       elockctl lock KEY [options] -c 'SHELL COMMAND'",
+        usage="elockctl lock [options] KEY [options] [--] COMMAND [ARGS...]\n"
+        "       elockctl lock [options] KEY [options] -c 'SHELL COMMAND'",
         epilog=LOCK_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -233,6 +235,7 @@ def add_lock_parser(commands: Any) -> None:
     )
     waiting.add_argument(
         "-n",
+        "--nb",
         "--nonblock",
         action="store_true",
         help="do not wait: fail at once if KEY is held, as flock -n (the default)",
@@ -245,7 +248,20 @@ def add_lock_parser(commands: Any) -> None:
         help="run this with 'sh -c', as flock -c, instead of -- COMMAND ARGS",
     )
     add("--ttl", type=positive_seconds, metavar="S", help="hold it as a lease of S seconds")
-    add("-s", "--shared", action="store_true", help="take a shared hold (as flock -s)")
+    add(
+        "-s",
+        "--shared",
+        action="store_true",
+        help="take a shared hold, as flock -s (the last of -s and -x counts)",
+    )
+    add(
+        "-x",
+        "-e",
+        "--exclusive",
+        dest="shared",
+        action="store_false",
+        help="take an exclusive hold, as flock -x (the default)",
+    )
     add("--limit", type=holders, metavar="N", help="with --shared: at most N holders")
     add(
         "-E",
@@ -262,29 +278,28 @@ def add_lock_parser(commands: Any) -> None:
         metavar="S",
         help="after a lost lock, SIGKILL COMMAND if SIGTERM did not end it (default: 5)",
     )
-    add("argv", nargs="*", metavar="-- COMMAND ARGS", help="what to run")
+    add(
+        "argv",
+        nargs="*",
+        metavar="COMMAND ARGS",
+        help="what to run; options end at COMMAND, whose own options are its own "
+        "(as in flock: 'elockctl lock K cmd -s' runs 'cmd -s'); '--' before it also works",
+    )
 
 
 def parse(parser: Parser, raw: list[str]) -> argparse.Namespace:
     """Parse and check the command line; any mistake exits 2 with one line.
 
-    ``lock``'s COMMAND is cut off at the first ``--`` first, so that lock options may
-    come after KEY (``elockctl lock KEY --wait 5 -- COMMAND``).
+    :mod:`elockd.ctl_argv` first finds where the options end (``lock``'s COMMAND,
+    ``upgrade``'s flags after ``--``) and puts global options first wherever they
+    stood; argparse then reads the rest.
     """
-    command: list[str] | None = None
-    for verb in ("lock", "upgrade"):
-        if verb in raw and "--" in raw and raw.index(verb) < raw.index("--"):
-            cut = raw.index("--")
-            args = parser.parse_args(raw[:cut])
-            if args.command == verb:
-                command = raw[cut + 1 :]
-            break
-    if command is None:
-        args = parser.parse_args(raw)
-    elif args.command == "upgrade":
-        args.argv = [*args.argv, *command]
-    if args.command == "lock":
-        check_lock_args(parser.commands["lock"], args, command)
+    arranged = Scanner(parser, parser.commands).arrange(raw)
+    args = parser.parse_args(arranged.words)
+    if args.command == "upgrade":
+        args.argv = [*args.argv, *(arranged.tail or [])]
+    elif args.command == "lock":
+        check_lock_args(parser.commands["lock"], args, arranged.tail or [])
     elif args.command == "info":
         check_key(parser.commands["info"], args.key)
     elif args.command in PROBE_VERBS and any(c in word for word in args.key for c in "\r\n"):
@@ -292,20 +307,23 @@ def parse(parser: Parser, raw: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_lock_args(lock: Parser, args: argparse.Namespace, command: list[str] | None) -> None:
-    if command is not None:
-        if args.argv:
-            lock.error(f"unexpected arguments before '--': {' '.join(args.argv)}")
-        args.argv = command
+def check_lock_args(lock: Parser, args: argparse.Namespace, command: list[str]) -> None:
+    args.argv = command
     if args.shell is not None:
         if args.argv:
-            lock.error("give COMMAND after '--' or -c 'SHELL COMMAND', not both")
+            lock.error(
+                f"give COMMAND or -c 'SHELL COMMAND', not both (found {quoted_words(command)})"
+            )
         args.argv = ["sh", "-c", args.shell]
     if not args.argv:
-        lock.error("missing COMMAND (elockctl lock KEY -- COMMAND ARGS, or -c 'COMMAND')")
+        lock.error("missing COMMAND (elockctl lock KEY COMMAND ARGS, or -c 'COMMAND')")
     if args.limit is not None and not args.shared:
         lock.error("--limit needs --shared")
     check_key(lock, args.key)
+
+
+def quoted_words(words: list[str]) -> str:
+    return " ".join(shlex.quote(word) for word in words)
 
 
 def check_key(parser: Parser, key: str) -> None:
