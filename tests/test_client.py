@@ -644,3 +644,34 @@ def test_keys_and_replies_in_messages_are_text() -> None:
     assert str(refused.value) == "lock 'jobk' unavailable"
     with pytest.raises(ValueError, match="'a b'"):
         core.lock("a b", 0.0, None, None, None)
+
+
+@pytest.mark.parametrize(
+    "start, replies",
+    [
+        (lambda core: core.lock("k", 0.0, None, None, None), b"409 Backend Unavailable\r\n" * 2),
+        (lambda core: core.shared("k", 0.0, 2, None, None, None), b"409 Backend Unavailable\r\n"),
+        (
+            lambda core: core.mlock(["k", "j"], 0.0, None, None, None),
+            b"409 Backend Unavailable\r\n" * 3,
+        ),
+    ],
+)
+def test_backend_unavailable_is_no_busy_lock(
+    start: Callable[[ClientCore], Operation[Hold]], replies: bytes
+) -> None:
+    """A cluster node without etcd quorum answers ``409 Backend Unavailable``: that
+    says nothing about the key, so it must not read as "held by others"
+    (``Unavailable``), which a cron guard takes for "skip this run"."""
+    core = ClientCore(threading.Event)
+    op = start(core)
+    core.receive(replies, 1.0)
+    with pytest.raises(RequestError, match="409 Backend Unavailable") as raised:
+        op.finish()
+    assert not isinstance(raised.value, Unavailable)
+    # A real "not granted" still is one.
+    core = ClientCore(threading.Event)
+    op = core.shared("k", 0.0, 2, None, None, None)
+    core.receive(b"409 2\r\n", 1.0)
+    with pytest.raises(Unavailable):
+        op.finish()

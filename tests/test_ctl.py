@@ -23,7 +23,7 @@ import pytest
 from elockd import ctl, ctl_args, ctl_lock
 from elockd.client import BlockingClient
 from elockd.ctl_status import EXIT_ERROR, EXIT_FALSE, EXIT_LOST, EXIT_USAGE
-from tests.foreign_service import foreign_service
+from tests.foreign_service import foreign_service, quorumless_answer
 from tests.polling import eventually_blocking
 from tests.server_process import start_server, stop_server
 
@@ -427,6 +427,38 @@ def test_a_foreign_service_is_could_not_tell(argv: list[str]) -> None:
     assert result.returncode == EXIT_ERROR, result
     line = one_line(result.stderr)
     assert f"127.0.0.1:{port}" in line and "not an elockd reply: 'SSH-2.0-OpenSSH" in line
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["i", "k"],
+        ["g", "k"],
+        ["si", "k"],
+        ["q"],
+        ["stats"],
+        ["info", "k"],
+        ["dump"],
+        ["lock", "k", "true"],
+        ["lock", "k", "-w", "5", "true"],
+        ["lock", "-s", "k", "true"],
+        ["lock", "-s", "--limit", "2", "k", "true"],
+    ],
+)
+def test_backend_unavailable_is_could_not_tell(argv: list[str], tmp_path: Path) -> None:
+    """A cluster node without etcd quorum: ``409 Backend Unavailable`` (word verbs)
+    and ``0 Backend Unavailable`` (terse) say nothing about the key. A cron guard
+    must see 3, not the 1 of a busy lock, and COMMAND must not run."""
+    ran = tmp_path / "ran"
+    argv = [word if word != "true" else f"touch {ran}" for word in argv]
+    if argv[0] == "lock":
+        argv = [*argv[:-1], "-c", argv[-1]]
+    with foreign_service(b"", quorumless_answer) as port:
+        result = ctl_process(port, *argv)
+    assert result.returncode == EXIT_ERROR, result
+    assert result.stdout == "" and not ran.exists()
+    line = one_line(result.stderr)
+    assert f"127.0.0.1:{port}" in line and "Backend Unavailable" in line
 
 
 def test_a_key_with_a_blank_is_a_usage_error(port: int) -> None:

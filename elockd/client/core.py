@@ -58,6 +58,9 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 MULTILINE_VERBS = frozenset({b"stats", b"q", b"d", b"sd", b"dump", b"who"})
 #: The server's answers to a missing or wrong ``auth`` token.
 AUTH_REFUSALS = frozenset({b"0 Auth Required", b"403 Auth Required", b"403 Bad Token"})
+#: A word verb's answer when a cluster node cannot reach etcd: nothing was granted,
+#: and nothing is known about the key.
+BACKEND_UNAVAILABLE = b"409 Backend Unavailable"
 #: What a terse probe's reply may say after its leading integer: the texts that mean
 #: yes (integer above 0) and no (integer 0), each as elockd's whole text and the
 #: start of glockd's (which goes on with the key). ``sg`` has no "no". Anything
@@ -491,7 +494,7 @@ class ClientCore:
 
         def finish() -> Hold:
             self._busy.discard(raw)
-            if lock.code == 409:
+            if not_granted(lock):
                 raise Unavailable(f"lock {quoted(raw)} unavailable")
             _expect(lock, b"200 Acquired")
             if token.code != 200:
@@ -547,7 +550,7 @@ class ClientCore:
         def finish() -> Hold:
             self._busy.discard(raw)
             code = request.code
-            if code == 409:
+            if not_granted(request):
                 holders = int(request.reply.split()[1])
                 raise Unavailable(
                     f"shared lock {quoted(raw)} full ({holders} holders)", holders=holders
@@ -595,7 +598,7 @@ class ClientCore:
 
         def finish() -> Hold:
             self._busy.difference_update(raws)
-            if request.code == 409:
+            if not_granted(request):
                 held = tuple(request.reply.split()[2:])
                 raise Unavailable(f"mlock unavailable: {quoted(b' '.join(held))} held", keys=held)
             _expect(request, b"200 Acquired")
@@ -662,6 +665,14 @@ class ClientCore:
         """The client is closing: every hold still tracked is reported lost."""
         for hold in list(self.holds.values()):
             self._lose(hold, reason, now)
+
+
+def not_granted(request: Request) -> bool:
+    """A ``409`` that says "held by others, not granted within the wait". ``409
+    Backend Unavailable`` (a cluster node without etcd quorum) is no such answer:
+    nobody knows whether the key is free, so it raises as a refusal instead, and a
+    cron guard never reads it as "busy, skip this run"."""
+    return request.code == 409 and request.reply != BACKEND_UNAVAILABLE
 
 
 def _refusal(request: Request) -> RequestError:
