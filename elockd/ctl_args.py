@@ -197,7 +197,7 @@ def build_parser() -> Parser:
         "elockctl) and wait until it serves every connection and lock of the elockd "
         "whose --control-socket is PATH. Exit 0 when it does; 3 when it did not (the "
         "old one then serves on). See docs/upgrade.md.",
-        usage="elockctl upgrade PATH [--wait S] -- [ELOCKD FLAGS...]",
+        usage="elockctl upgrade PATH [--wait S] [--log-file FILE] -- [ELOCKD FLAGS...]",
     )
     upgrade.add_argument("control", metavar="PATH", help="the old elockd's --control-socket")
     upgrade.add_argument(
@@ -206,6 +206,12 @@ def build_parser() -> Parser:
         default=60.0,
         metavar="S",
         help="seconds the new elockd has to take over (default: 60)",
+    )
+    upgrade.add_argument(
+        "--log-file",
+        metavar="FILE",
+        help="append the new elockd's log here (default: the journal; it never "
+        "keeps this command's stdout or stderr)",
     )
     upgrade.add_argument("argv", nargs="*", metavar="-- FLAGS", help="the new elockd's flags")
     parser.commands = dict(commands.choices)
