@@ -21,8 +21,9 @@ import trio
 from elockd.client import BlockingClient
 from elockd.client.core import printable, quoted, terse_answer
 from elockd.ctl_args import PROBE_VERBS, build_parser, client_options, parse
+from elockd.ctl_doors import hint
 from elockd.ctl_lock import run_locked
-from elockd.ctl_status import EXIT_FALSE, failure, say, where
+from elockd.ctl_status import EXIT_FALSE, chosen, failure, say, where
 from elockd.ctl_upgrade import run_upgrade
 
 #: Probes that take a hold, which ends as soon as elockctl's connection does.
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (Exception, KeyboardInterrupt, BaseExceptionGroup) as error:  # see failure()
         status, message = failure(error, where(options))
         if message:
-            say(message)
+            say(message + hint(chosen(error), options, bool(args.tls_cert)))
         return status
 
 

@@ -25,6 +25,7 @@ from elockd.client import (
     ProtocolError,
     Unavailable,
 )
+from elockd.ctl_doors import hint
 from elockd.ctl_status import EXIT_LOST, failure, say, where
 
 #: Signals elockctl catches while COMMAND runs (so that they do not end it and its
@@ -65,7 +66,7 @@ async def run_locked(args: argparse.Namespace, options: dict[str, Any]) -> int:
             status, message = failure(error, where(options))
             if isinstance(error, ConnectionLost) and not isinstance(error, ProtocolError):
                 message += ", before the lock was granted"
-            say(message)
+            say(message + hint(error, options, bool(args.tls_cert)))
             return status
         status = await run_command(args.argv, lost, args.kill_after)
         try:

@@ -41,10 +41,9 @@ def failure(error: BaseException, server: str) -> tuple[int, str]:
     the group is opened and the error that says most is reported (the first from
     the lock service, else the first one).
     """
-    leaves = list(leaf_errors(error))
-    if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+    if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaf_errors(error)):
         return EXIT_INTERRUPTED, ""
-    error = next((leaf for leaf in leaves if isinstance(leaf, ElockError)), leaves[0])
+    error = chosen(error)
     text = str(error)
     line = text if server in text else f"{server}: {text}"
     if isinstance(error, AuthError):
@@ -52,7 +51,7 @@ def failure(error: BaseException, server: str) -> tuple[int, str]:
             return EXIT_ERROR, f"{line} (the token of --auth-token-file was refused)"
         return EXIT_ERROR, f"{line} (the server wants a token: --auth-token-file FILE)"
     if isinstance(error, ProtocolError):
-        return EXIT_ERROR, f"{line} (is it an elockd port?)"
+        return EXIT_ERROR, line  # what port it is instead: ctl_doors.hint
     if isinstance(error, LockLost):
         return EXIT_LOST, line
     if isinstance(error, RequestError) and (
@@ -62,6 +61,12 @@ def failure(error: BaseException, server: str) -> tuple[int, str]:
     if isinstance(error, ElockError):
         return EXIT_ERROR, line
     return EXIT_ERROR, f"{server}: unexpected {type(error).__name__}: {text}"
+
+
+def chosen(error: BaseException) -> BaseException:
+    """The error that says most: the first from the lock service, else the first."""
+    leaves = leaf_errors(error)
+    return next((leaf for leaf in leaves if isinstance(leaf, ElockError)), leaves[0])
 
 
 def leaf_errors(error: BaseException) -> Sequence[BaseException]:

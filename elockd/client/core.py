@@ -306,7 +306,11 @@ class ClientCore:
         self.pending: deque[Request] = deque()
         self.holds: dict[bytes, Hold] = {}  # every key this client holds or is acquiring
         self.error: ConnectionLost | None = None
-        self._out: list[bytes] = []
+        # The first request goes out after one blank, which elockd drops (leading
+        # blanks of a line are, docs/protocol.md) and an HTTP/1.1 server (h11,
+        # hypercorn, nginx) or a TLS port refuses at once: a client sent to the
+        # wrong door hears so now, not after its reply timeout.
+        self._out: list[bytes] = [b" "]
         self._replies = ReplyReader()
         self._lost: list[Hold] = []  # lost holds whose on_lost is still to be called
         self._busy: set[bytes] = set()  # keys with an acquire in flight
@@ -334,6 +338,8 @@ class ClientCore:
         return request
 
     def data_to_send(self) -> bytes:
+        if self._out == [b" "]:
+            return b""  # the blank goes with the first request, never alone
         data = b"".join(self._out)
         self._out.clear()
         return data
