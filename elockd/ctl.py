@@ -23,7 +23,15 @@ from elockd.client.core import printable, quoted, terse_answer
 from elockd.ctl_args import PROBE_VERBS, build_parser, client_options, parse
 from elockd.ctl_doors import hint
 from elockd.ctl_lock import run_locked
-from elockd.ctl_status import EXIT_FALSE, chosen, failure, say, where
+from elockd.ctl_status import (
+    EXIT_FALSE,
+    EXIT_INTERRUPTED,
+    chosen,
+    die_interrupted,
+    failure,
+    say,
+    where,
+)
 from elockd.ctl_upgrade import run_upgrade
 
 #: Probes that take a hold, which ends as soon as elockctl's connection does.
@@ -48,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FALSE
     except (Exception, KeyboardInterrupt, BaseExceptionGroup) as error:  # see failure()
         status, message = failure(error, where(options))
+        if status == EXIT_INTERRUPTED:
+            return die_interrupted()
         if message:
             say(message + hint(chosen(error), options, bool(args.tls_cert)))
         return status

@@ -251,7 +251,8 @@ def add_lock_parser(commands: Any) -> None:
         "--command",
         dest="shell",
         metavar="'SHELL COMMAND'",
-        help="run this with 'sh -c', as flock -c, instead of -- COMMAND ARGS",
+        help="run this with '$SHELL -c' ('/bin/sh -c' without $SHELL), as flock -c, "
+        "instead of COMMAND ARGS",
     )
     add("--ttl", type=positive_seconds, metavar="S", help="hold it as a lease of S seconds")
     add(
@@ -276,6 +277,12 @@ def add_lock_parser(commands: Any) -> None:
         default=EXIT_FALSE,
         metavar="N",
         help="exit status when the lock is not granted, as flock -E (default: 1)",
+    )
+    add(
+        "--verbose",
+        action="store_true",
+        help="say how long getting the lock took, or why it was not granted, as flock "
+        "--verbose (without it a lock not granted is silent, as in flock)",
     )
     add(
         "--kill-after",
@@ -320,7 +327,7 @@ def check_lock_args(lock: Parser, args: argparse.Namespace, command: list[str]) 
             lock.error(
                 f"give COMMAND or -c 'SHELL COMMAND', not both (found {quoted_words(command)})"
             )
-        args.argv = ["sh", "-c", args.shell]
+        args.argv = [os.environ.get("SHELL") or "/bin/sh", "-c", args.shell]  # as flock
     if not args.argv:
         lock.error("missing COMMAND (elockctl lock KEY COMMAND ARGS, or -c 'COMMAND')")
     if args.limit is not None and not args.shared:

@@ -49,7 +49,7 @@ def hint(error: BaseException, options: dict[str, Any], client_cert: bool) -> st
     if not isinstance(error, ConnectionLost) or options.get("unix") or options.get("url"):
         return ""
     text = f"{error} {error.__cause__ or ''}"
-    closed = "closed the connection" in text or "EOF" in text
+    closed = any(word in text for word in ("closed the connection", "EOF", "reset by peer"))
     if options.get("ssl_context") is None:
         if closed and speaks_tls(options["host"], options["port"], options["connect_timeout"]):
             return TLS_PORT

@@ -8,6 +8,7 @@ lock`` adds COMMAND's own status and 75 for a lock lost while COMMAND ran.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,15 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 def say(message: str) -> None:
     """One line on stderr, flushed at once: it may be the last thing elockctl does."""
     print(f"elockctl: {message}", file=sys.stderr, flush=True)
+
+
+def die_interrupted() -> int:
+    """End as a SIGINT ends a process, as flock does when Ctrl-C stops its wait: a
+    shell loop around elockctl then stops too (it reads a signal death, not 130).
+    Returns 130 only if the signal somehow did not end the process."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    return EXIT_INTERRUPTED
 
 
 def where(options: dict[str, Any]) -> str:
