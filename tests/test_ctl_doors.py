@@ -16,7 +16,7 @@ import pytest
 
 from elockd.ctl_status import EXIT_ERROR
 from tests.foreign_service import foreign_service
-from tests.server_process import start_server, stop_server
+from tests.server_process import mutual_tls_flags, start_server, stop_server
 from tests.test_ctl import ctl_process, one_line
 
 #: Long enough that a test passing under it cannot have waited for a reply timeout.
@@ -43,14 +43,7 @@ def http_port() -> Iterator[int]:
 
 @pytest.fixture
 def mutual_tls_port(tls_files: dict[str, str]) -> Iterator[int]:
-    process, port = start_server(
-        "--tls-cert",
-        tls_files["cert"],
-        "--tls-key",
-        tls_files["key"],
-        "--tls-client-ca",
-        tls_files["ca"],
-    )
+    process, port = start_server(*mutual_tls_flags(tls_files))
     try:
         yield port
     finally:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_process import start_server, stop_server
+from tests.server_process import mutual_tls_flags, start_server, stop_server
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SESSION_ID = re.compile(r"\b[0-9a-f]{32}\b")
@@ -100,16 +100,7 @@ def test_the_openssl_probe_of_operations_md_ends_by_itself(
     text = (DOCS / "operations.md").read_text()
     found = re.search(r"```sh\n(printf 'auth[^`]*openssl s_client[^`]*)```", text)
     assert found is not None, "the openssl probe in docs/operations.md"
-    process, port = start_server(
-        "--tls-cert",
-        tls_files["cert"],
-        "--tls-key",
-        tls_files["key"],
-        "--tls-client-ca",
-        tls_files["ca"],
-        "--auth-token-file",
-        tls_files["token"],
-    )
+    process, port = start_server(*mutual_tls_flags(tls_files, auth=True))
     probe = (
         found[1]
         .replace("lockhost:9999", f"127.0.0.1:{port}")
