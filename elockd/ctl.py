@@ -1,4 +1,4 @@
-"""``elockctl``: probes, stats and ``elockctl lock KEY -- COMMAND`` from the shell.
+"""``elockctl``: probes, stats and ``elockctl lock KEY COMMAND`` from the shell.
 
 One-liners (``g r i sg sr si q``, ``stats``, ``info``, ``dump``) use the blocking
 client: a connection, one request, done. ``lock`` is :mod:`elockd.ctl_lock`, the
@@ -109,7 +109,7 @@ def run_probe(client: BlockingClient, verb: str, key: str) -> int:
     if answer and verb in HOLDING_PROBES:
         say(
             f"the hold on {quoted(key.encode())} ended with this command's connection; "
-            "to hold a lock while something runs: elockctl lock KEY -- COMMAND"
+            "to hold a lock while something runs: elockctl lock KEY COMMAND"
         )
     return 0 if answer else EXIT_FALSE
 

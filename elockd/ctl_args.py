@@ -39,18 +39,21 @@ anything it took: 'i' and 'si' are the useful probes.
 """
 
 LOCK_EPILOG = """\
-flock(1) users: -w/--wait, -n/--nonblock, -c, -s/--shared and -E mean what they
-mean there; KEY is a key on the server instead of a file. Unlike flock, without -w
-elockctl does not wait: it tries once, as -n does.
+flock(1) users: -w/--wait, -n/--nonblock, -c, -s/--shared, -x/--exclusive, -E
+and --verbose mean what they mean there (shared and exclusive holders exclude each
+other; a lock not granted is silent); KEY is a key on the server instead of a file.
+Options end at COMMAND: 'elockctl lock K cmd -s' runs 'cmd -s'. Unlike flock,
+without -w elockctl does not wait: it tries once, as -n does.
 
 exit status:
   COMMAND's own     (128+N if a signal N killed it)
   1                 the lock was not granted at once (-n) or within -w/--wait
-                    (change it with -E/--conflict-exit-code)
+                    (change it with -E/--conflict-exit-code; silent, as flock)
   2                 usage error (e.g. a KEY with a blank: keys are one word)
   3                 could not tell: the server cannot be reached, wants a token
                     (--auth-token-file) or refused it, sent something that is not
-                    an elockd reply, or went away before the lock was granted
+                    an elockd reply ('Backend Unavailable' included), or went
+                    away before the lock was granted
   75                the lock was lost while COMMAND ran (COMMAND is then sent
                     SIGTERM, and SIGKILL after --kill-after seconds)
   126, 127          COMMAND cannot run, is not found

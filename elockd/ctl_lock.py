@@ -1,4 +1,4 @@
-"""``elockctl lock KEY -- COMMAND``: hold a lock for exactly as long as COMMAND runs.
+"""``elockctl lock KEY COMMAND``: hold a lock for exactly as long as COMMAND runs.
 
 It uses the trio client, because it has to do four things at once: keep the lock
 (and renew its lease), wait for COMMAND, forward signals to it, and end it if the

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from elockd.ctl_args import build_parser
 from tests.server_process import mutual_tls_flags, start_server, stop_server
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -118,3 +119,23 @@ def test_the_openssl_probe_of_operations_md_ends_by_itself(
     assert result.stdout.replace("\r\n", "\n") == "200 OK\n1 Got Lock\n200 Bye\n", result
     # As the doc says: no close_notify from the server, so s_client reports the EOF.
     assert result.returncode == 0 or "unexpected eof" in result.stderr, result
+
+
+def test_client_md_names_the_user_the_unit_runs_as() -> None:
+    unit = (DOCS.parent / "contrib" / "systemd" / "elockd.service").read_text()
+    client = (DOCS / "client.md").read_text()
+    assert "\nUser=elockd\n" in unit and "DynamicUser" not in unit
+    assert "`User=elockd`" in client and "DynamicUser" not in client
+
+
+def test_the_elockctl_synopsis_lists_every_global_option() -> None:
+    """docs/client.md's synopsis block, against the parser that ships."""
+    client = (DOCS / "client.md").read_text()
+    found = re.search(r"```\n(elockctl \[--host[^`]*)```", client)
+    assert found is not None
+    synopsis = found[1]
+    parser = build_parser()
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--") and option != "--help":
+                assert option in synopsis, f"{option} missing from the synopsis"
