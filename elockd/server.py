@@ -512,7 +512,11 @@ async def serve(
                     METRICS_PORT_HINT,
                 ):
                     host, port = await nursery.start(
-                        partial(serve_metrics, sock=listeners.http),
+                        partial(
+                            serve_metrics,
+                            sock=listeners.http,
+                            tune=partial(tune_accepted, keepalive=config.keepalive),
+                        ),
                         service,
                         config.metrics_host,
                         config.metrics_port,

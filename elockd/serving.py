@@ -78,6 +78,10 @@ async def serve_connection(
         # connection that could not move (TLS) ends with this process.
         if not handed_over and not pause.handed_over:
             conn.close(trio.current_time())
+            # The transport and its resting state point at each other: break the
+            # cycle, so that the connection is freed now by its reference counts
+            # and not by a collection the raised GC thresholds rarely run.
+            transport.rest = None
             await transport.aclose()
             log_connection_close(peer)
 
@@ -235,15 +239,7 @@ async def send_streamed(reply: Streamed, transport: Transport) -> None:
     """Send a streamed reply a chunk at a time: the next chunk is made only after the
     last one went out (a client that does not read stops the dump, not the server),
     and other connections run between chunks."""
-    if transport.whole_replies:
-        whole = b"".join(reply.chunks)
-        if whole:
-            await transport.send(whole)
-        return
-    for chunk in reply.chunks:
-        if chunk:  # an empty listing in glockd's dialect is no reply at all
-            await transport.send(chunk)
-        await trio.lowlevel.checkpoint()
+    await transport.send_stream(reply.chunks)
 
 
 class ConnectionSlots:

@@ -257,15 +257,25 @@ async def test_close_codes_say_why_a_session_ended(nursery: trio.Nursery) -> Non
         assert closed.value.reason.code == 1013
 
 
-async def test_glockds_silences_send_no_message(nursery: trio.Nursery) -> None:
-    """With --replies glockd, a request that gets no reply gets no message either."""
+async def test_glockds_silences_are_empty_messages(nursery: trio.Nursery) -> None:
+    """W6 (issue 24): with --replies glockd, a request that gets no reply on TCP (an
+    unknown verb, an empty line, a listing of nothing) gets an empty message, as
+    r312 sends: glockd's own tester waits for one message per request."""
     server = await start(nursery, replies="glockd")
     async with websocket(server.url) as ws:
-        for request in ("nope", "d nothing", ""):
-            await ws.send_message(request)
+        assert await ask(ws, "nope") == ""
+        assert await ask(ws, "d") == ""  # nothing is held: an empty listing
+        assert await ask(ws, "d nothing") == ""
+        assert await ask(ws, "") == ""
+        assert await ask(ws, b"who") == b""  # of the request's type
         assert await ask(ws, "ping") == "200 PONG\r\n"
         assert await ask(ws, "g k") == "1 Lock Get Success: k\r\n"
         assert await ask(ws, "d") == f"k: {ws.local.address}:{ws.local.port}\r\n"
+        # Several lines in one message are answered together, silences adding nothing.
+        assert await ask(ws, "nope\ni k") == "1 Lock Is Locked: k\r\n"
+    tcp = await server.tcp()
+    await tcp.send(b"nope\n")
+    assert await tcp.request(b"i k") == b"0 Lock Not Locked: k"  # TCP: silence
 
 
 async def test_binary_messages_keep_every_byte_of_a_key(nursery: trio.Nursery) -> None:
