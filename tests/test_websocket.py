@@ -288,3 +288,30 @@ async def test_binary_messages_keep_every_byte_of_a_key(nursery: trio.Nursery) -
         assert isinstance(listing, bytes) and listing.startswith(b"\x80\xff: "), listing
         text = await ask(ws, "d")  # a text message shows the bytes replaced
         assert isinstance(text, str) and text.startswith("\ufffd\ufffd: "), text
+
+
+async def test_pings_are_answered_and_an_upgrade_must_open_its_connection(
+    nursery: trio.Nursery,
+) -> None:
+    """A ping gets its pong (the session goes on); an upgrade asked on a kept-alive
+    HTTP connection, after a first request, is refused (403)."""
+    server = await start(nursery)
+    async with websocket(server.url) as ws:
+        with trio.fail_after(5):
+            await ws.ping(b"are you there")
+        assert await ask(ws, "ping") == "200 PONG\r\n"
+    stream = await trio.open_tcp_stream("127.0.0.1", server.http_port)
+    await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    received = b""
+    while not received.endswith(b"0\r\n\r\n"):  # the chunked body's end
+        received += await stream.receive_some(4096)
+    assert received.startswith(b"HTTP/1.1 200 ") and b"ok\n" in received
+    await stream.send_all(
+        b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    received = b""
+    while b"\r\n" not in received:
+        received += await stream.receive_some(4096)
+    assert received.startswith(b"HTTP/1.1 403 "), received
+    await stream.aclose()
