@@ -59,9 +59,16 @@ from elockd.cluster.layout import (
 )
 from elockd.cluster.ledger import ClusterHold, ClusterSession, Ledger
 from elockd.cluster.mirror import ClusterWaiter, QueueMirror, granted_kvs
+from elockd.logs import shown
+from elockd.logthrottle import LogThrottle
 from elockd.sessions import Session
 
 log = logging.getLogger("elockd.cluster")
+#: Sessions are lost by the thousand when etcd fails, and a client can have its
+#: sessions taken over as fast as it connects: one line each per 10 s, with a count.
+#: A session is named by its peer and tag, never by its id (a bearer secret).
+lost_log = LogThrottle(log, logging.WARNING, 10.0)
+moved_log = LogThrottle(log, logging.WARNING, 10.0)
 
 #: Guarded deletes per txn: etcd's default --max-txn-ops is 128.
 DELETES_PER_TXN = 64
@@ -381,7 +388,12 @@ class SessionOwnership:
             return
         session.lost = True
         self.ledger.sessions_lost += 1
-        log.warning("session %s lost: %s; closing its connection", session.id[:8], why)
+        lost_log(
+            "session of %s (tag %d) lost: %s; closing its connection",
+            shown(session.peer),
+            session.tag,
+            why,
+        )
         now = trio.current_time()
         for hold in self.ledger.holds(session):
             self.ledger.drop(hold, now)
@@ -397,7 +409,12 @@ class SessionOwnership:
         if session.lost or self.calls.frozen:
             return
         session.lost = True  # for this node: nothing more may be done with it
-        log.warning("session %s taken over elsewhere (%s)", session.id[:8], why)
+        moved_log(
+            "session of %s (tag %d) taken over elsewhere (%s)",
+            shown(session.peer),
+            session.tag,
+            why,
+        )
         if session.tag:
             # Its entries are the new node's to move onto its lease: the sweep here
             # leaves them alone for a session TTL (longer than any takeover).
