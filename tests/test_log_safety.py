@@ -397,6 +397,34 @@ async def test_session_end_lines_are_rate_limited_with_a_count(
     assert len(stream.getvalue().encode()) / seconds < SESSION_END_BURST * 600
 
 
+def test_a_throttle_with_a_burst_lets_that_many_through_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    throttle = LogThrottle(logs.log, logging.INFO, 1.0, clock=lambda: now[0], burst=3)
+    caplog.set_level(logging.INFO, logger="elockd")
+    for _ in range(10):
+        throttle("ended", fields={"n": 1})
+        now[0] += 0.05  # 10 events in 0.5 s: 3 logged
+    now[0] = 1.0
+    throttle("ended", fields={"n": 2})
+    assert throttle.held_back == 0
+    held = [getattr(r, "held_back", None) for r in caplog.records]
+    assert held == [None, None, None, 7]
+
+
+def test_tls_handshake_failures_are_rate_limited(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logs, "_tls_failure_log", LogThrottle(logs.log, logging.INFO, 10.0))
+    caplog.set_level(logging.INFO, logger="elockd")
+    for port in range(100):
+        logs.log_tls_failure(b"10.0.0.1:%d" % port, ValueError("wrong version number"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "TLS handshake with 10.0.0.1:0 failed: wrong version number"
+    ]
+
+
 def churn_one(port: int, name: bytes, key: bytes) -> None:
     """One session: a name, a lock, gone."""
     client = Client(port)
