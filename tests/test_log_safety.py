@@ -169,7 +169,7 @@ def random_secret(prefix: str) -> str:
     return prefix + secrets.token_hex(16)
 
 
-def windows(secret: str, width: int = 12) -> list[str]:
+def windows(secret: str, width: int = 8) -> list[str]:
     """Every ``width``-character piece of ``secret``: a cut or partial copy (an
     id's first 8 characters) counts as a leak too."""
     return [secret[i : i + width] for i in range(len(secret) - width + 1)]
@@ -177,6 +177,12 @@ def windows(secret: str, width: int = 12) -> list[str]:
 
 def leaked(secret: str, text: str) -> list[str]:
     return [piece for piece in windows(secret) if piece in text]
+
+
+def test_a_session_repr_hides_its_id() -> None:
+    """A repr lands in tracebacks and in any record given the object."""
+    session_id = random_secret("")
+    assert not leaked(session_id, repr(Session(session_id, b"127.0.0.1:1")))
 
 
 async def test_request_traces_redact_auth_and_conn_id(
