@@ -187,6 +187,7 @@ class Command:
         "needs_auth",
         "options",
         "raw",
+        "secret",
         "verb",
     )
 
@@ -200,9 +201,11 @@ class Command:
         options: frozenset[bytes] = frozenset(),
         needs_auth: bool = True,
         raw: bool = False,
+        secret: bool = False,
     ) -> None:
         """``raw``: a word verb whose handler takes the rest of the line as it is
-        (``auth``: a token may hold blanks)."""
+        (``auth``: a token may hold blanks). ``secret``: its arguments or its reply
+        carry a bearer secret (a token, a session id), which no log may show."""
         self.verb = verb
         self.family = family
         self.handler = handler
@@ -210,6 +213,7 @@ class Command:
         self.options = options
         self.needs_auth = needs_auth
         self.raw = raw
+        self.secret = secret
         # What the dispatcher calls: the handler itself when it takes the rest of
         # the line (the terse family: the hot path pays no extra call), else one
         # that splits the arguments first.

@@ -33,7 +33,7 @@ from elockd.backend import Backend
 from elockd.commands import COMMANDS
 from elockd.config import Config
 from elockd.handover.exchange import Giver, Listeners, TakenOver, open_control_socket, take_over
-from elockd.logs import log_refusal, log_session_end
+from elockd.logs import log_refusal, log_session_end, log_tls_failure
 from elockd.logthrottle import LogThrottle
 from elockd.memory import MemoryBackend
 from elockd.metrics import serve_metrics
@@ -287,7 +287,7 @@ async def serve_tls(
             await stream.do_handshake()
             handshaken = True
         except trio.BrokenResourceError as error:
-            log.info("TLS handshake with %s failed: %s", peer.decode(), error.__cause__ or error)
+            log_tls_failure(peer, error.__cause__ or error)
     if handshaken:  # outside the timeout: it bounds the handshake, not the session
         await serve_stream(service, stream, peer)
     else:
