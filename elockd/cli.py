@@ -710,9 +710,9 @@ def unexpected(error: BaseException) -> str:
     return f"{type(error).__name__}: {shown(error)}" if str(error) else type(error).__name__
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     try:
-        config, notes = load_config(argv)
+        config, notes = load_config(argv, environ)
     except UsageError as error:
         fail_to_start(str(error))
     except Exception as error:  # whatever else the settings make fail: still one line

@@ -60,8 +60,9 @@ def shown(value: object, limit: int = VALUE_SHOWN) -> str:
 
 def one_line(message: str) -> str:
     """The whole of an error line, made safe whatever went into it: one line of at
-    most :data:`LINE_SHOWN` characters."""
-    return shown(message, LINE_SHOWN - 20)
+    most :data:`LINE_SHOWN` characters with its ``elockd: `` (room is kept for the
+    ``... (N characters)`` of a cut)."""
+    return shown(message, LINE_SHOWN - 40)
 
 
 def os_cause(error: OSError) -> str:

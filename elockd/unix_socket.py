@@ -22,9 +22,10 @@ from collections.abc import Iterable
 
 log = logging.getLogger("elockd")
 
-#: ``sizeof(sockaddr_un.sun_path)`` on Linux: CPython refuses a longer path
-#: ("AF_UNIX path too long"); tests/test_unix_socket.py checks it against the kernel.
-UNIX_PATH_MAX = 108
+#: The longest path of a Unix socket in bytes: ``sockaddr_un.sun_path`` is 108 bytes
+#: on Linux, its terminating NUL included; CPython refuses a longer one ("AF_UNIX
+#: path too long"). tests/test_config_bounds.py checks it against bind() itself.
+UNIX_PATH_MAX = 107
 #: ``struct ucred`` of SO_PEERCRED: pid, uid, gid (each 32 bits on Linux).
 _UCRED = struct.Struct("3i")
 
