@@ -17,13 +17,13 @@ no progress for ``send_timeout`` seconds too.
 An upgrade asked on a connection that already served a request (HTTP keep-alive) is
 refused (403) by the app: browsers and WebSocket libraries open a fresh connection.
 
-The accept loop survives resource errors (EMFILE, ENFILE, ENOMEM, ENOBUFS) as the
-lock port's does: it pauses and goes on.
+The accept loop survives every accept() error as the lock port's does
+(:mod:`elockd.accepting`): trio's listener skips the ones of a single connection,
+and on any other the loop pauses and goes on.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import socket
@@ -38,16 +38,12 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIFramework, LifespanState
 
-from elockd.logthrottle import LogThrottle
+from elockd.accepting import accept_pause
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 log = logging.getLogger("elockd")
-
-#: accept() errors that mean "out of a resource now" (trio.serve_listeners' set).
-CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-accept_warning = LogThrottle(log, logging.WARNING)
 
 
 #: An ASGI app.
@@ -209,10 +205,7 @@ async def serve_http(
                 stream = await listener.accept()
             except OSError as error:
                 slots.release()
-                if error.errno not in CAPACITY_ERRNOS:
-                    raise
-                accept_warning("HTTP accept: %s; pausing 0.1 s", errno.errorcode[error.errno])
-                await trio.sleep(0.1)
+                await trio.sleep(accept_pause(error, "HTTP accept"))
                 continue
             nursery.start_soon(serve_one, stream)
 

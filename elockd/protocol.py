@@ -301,9 +301,18 @@ class Connection:
         "session",
     )
 
-    def __init__(self, service: Service, peer: bytes, session: Session | None = None) -> None:
+    def __init__(
+        self,
+        service: Service,
+        peer: bytes,
+        session: Session | None = None,
+        *,
+        counted: bool = False,
+    ) -> None:
         """``session``: an existing one this connection serves on (a hand-over's
-        successor); else a new session is opened."""
+        successor); else a new session is opened. ``counted``: the accept loop counted
+        the connection in ``connections`` already (it counts at accept, so that the
+        count never lags behind connections the server has taken)."""
         self.service = service
         self.backend = service.backend
         self.replies = service.replies
@@ -320,7 +329,8 @@ class Connection:
             service.commands if service.auth_token is None else service.unauthenticated_commands
         )
         service.connections.add(self)
-        service.counters.connections += 1
+        if not counted:
+            service.counters.connections += 1
 
     def handle(self, line: bytes | None, now: float) -> Reply:
         """Answer one request line (None stands for an over-long line).

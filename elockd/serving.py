@@ -39,13 +39,18 @@ def peer_name(address: object) -> bytes:
 
 
 async def serve_connection(
-    service: Service, transport: Transport, peer: bytes, resumed: Parked | None = None
+    service: Service,
+    transport: Transport,
+    peer: bytes,
+    resumed: Parked | None = None,
+    counted: bool = False,
 ) -> None:
     """Run one client connection to its end, then free its session per its rules.
 
     ``resumed`` is a connection taken over from a predecessor (docs/upgrade.md): its
     session, reader state and backlog of requests are served on as they were. A
-    connection handed over to a successor ends here without closing anything."""
+    connection handed over to a successor ends here without closing anything.
+    ``counted``: the accept loop already counted it in ``connections``."""
     pause = service.pause
     transport.pause = pause
     if resumed is None:
@@ -53,10 +58,14 @@ async def serve_connection(
         if pause.requested:  # accepted just before a hand-over: nothing handled yet
             try:
                 await pause.park(rest)
-            except HandedOver:
-                return
+            except BaseException as error:
+                if counted:  # no Connection will take the count over
+                    service.counters.connections -= 1
+                if isinstance(error, HandedOver):
+                    return
+                raise
         log_connection_open(peer)
-        rest.conn = Connection(service, peer)
+        rest.conn = Connection(service, peer, counted=counted)
     else:
         rest = resumed
         if rest.conn is None:
