@@ -11,6 +11,7 @@ calls, and both keep data read while a request waits (see ``watch_for_close``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 from collections import deque
@@ -19,8 +20,12 @@ from typing import Protocol
 import trio
 
 from elockd.pause import NEVER, Interrupted, Parked, Pause
+from elockd.tcp_silence import lower_user_timeout, set_user_timeout, silent_for
 
 RECEIVE_SIZE = 65536
+#: After a late reply lowered the user timeout, how often a connection waiting to
+#: read checks whether its peer was heard since (then the whole bound applies again).
+HEARD_RECHECK = 0.5
 #: While a request waits, bytes read ahead of it are kept up to this much; past it
 #: we stop reading (the client is alive and pipelining; TCP pushes back on it).
 READ_AHEAD_LIMIT = 1 << 20
@@ -41,6 +46,11 @@ class Transport(Protocol):
         """The next chunk, or b"" once the peer is gone."""
 
     async def send(self, data: bytes) -> None: ...
+
+    def replying_late(self) -> None:
+        """The next send answers a request read a while ago (a grant after a wait): a
+        peer that vanished meanwhile is to be given up on within the keepalive bound
+        of when it was last heard from, not of this send (elockd/tcp_silence.py)."""
 
     async def watch_for_close(self) -> None:
         """Return when the peer closes; keep what it sends meanwhile for receive()."""
@@ -70,6 +80,9 @@ class _ReadAhead:
 
     async def _receive_raw(self) -> bytes:
         raise NotImplementedError
+
+    def replying_late(self) -> None:
+        """Nothing to do where no TCP socket is reachable (TLS, memory streams)."""
 
     async def receive(self) -> bytes:
         if self._read_ahead:
@@ -138,18 +151,71 @@ class SocketTransport(_ReadAhead):
     stops reading its replies stops being read (we are stuck in send) and is dropped
     once no byte went out for this long, so its backlog cannot grow. The deadline
     moves whenever bytes go out, so a big reply read slowly but steadily is not cut.
+
+    ``bound`` (seconds; 0 for none) is how long after its peer was last heard a TCP
+    connection dies (``TCP_USER_TIMEOUT``, set by ``tune_accepted``): a late reply
+    lowers it to what is left of that (:meth:`replying_late`), and the whole bound
+    applies again once the peer is heard from. ``lowered`` says it is lowered now.
     """
 
-    __slots__ = ("closer", "send_timeout", "sock")
+    __slots__ = ("bound", "closer", "heard_check", "lowered", "lowered_at", "send_timeout", "sock")
 
     def __init__(
-        self, sock: socket.socket, send_timeout: float = math.inf, closer: Closer | None = None
+        self,
+        sock: socket.socket,
+        send_timeout: float = math.inf,
+        closer: Closer | None = None,
+        bound: float = 0.0,
     ) -> None:
         super().__init__()
         sock.setblocking(False)
         self.sock = sock
         self.send_timeout = send_timeout
         self.closer = closer
+        self.bound = bound if sock.family in (socket.AF_INET, socket.AF_INET6) else 0.0
+        self.lowered = False
+        self.lowered_at = self.heard_check = 0.0
+
+    def replying_late(self) -> None:
+        if not self.bound:
+            return
+        try:
+            if lower_user_timeout(self.sock, self.bound) is None:
+                return
+        except OSError:
+            return  # the connection is gone: the send will tell
+        self.lowered_at = trio.current_time()
+        self.heard_check = self.lowered_at + HEARD_RECHECK
+        self.lowered = True
+
+    def heard(self) -> None:
+        """The peer was heard from since the late reply: the whole bound again."""
+        self.lowered = False
+        with contextlib.suppress(OSError):  # gone meanwhile: the next read tells
+            set_user_timeout(self.sock, self.bound)
+
+    def _check_heard(self) -> None:
+        try:
+            silence = silent_for(self.sock)
+        except OSError:
+            self.lowered = False  # gone: the next read tells
+            return
+        now = trio.current_time()
+        if silence < now - self.lowered_at:
+            self.heard()
+        else:
+            self.heard_check = now + HEARD_RECHECK
+
+    async def _wait_readable_lowered(self) -> None:
+        """Wait until the socket can be read, and meanwhile check now and then whether
+        the peer was heard since the late reply (its ACK, say): a holder that stays
+        silent then gets the whole bound again, not only what was left of it."""
+        while self.lowered:
+            with trio.move_on_at(self.heard_check):
+                await trio.lowlevel.wait_readable(self.sock)
+                return
+            self._check_heard()
+        await trio.lowlevel.wait_readable(self.sock)
 
     async def receive(self) -> bytes:
         """Yield to the other connections first, then try ``recv`` before arming epoll.
@@ -168,11 +234,14 @@ class SocketTransport(_ReadAhead):
         if self.pause.requested:
             raise Interrupted
         try:
-            return self.sock.recv(RECEIVE_SIZE)
+            data = self.sock.recv(RECEIVE_SIZE)
         except BlockingIOError:
             return await self._receive_raw()
         except OSError:  # reset by peer and friends: the peer is gone
             return b""
+        if self.lowered:
+            self.heard()
+        return data
 
     async def _receive_raw(self) -> bytes:
         sock, pause, rest = self.sock, self.pause, self.rest
@@ -180,17 +249,23 @@ class SocketTransport(_ReadAhead):
             if rest is not None:
                 pause.idle.add(rest)
             try:
-                await trio.lowlevel.wait_readable(sock)
+                if self.lowered:
+                    await self._wait_readable_lowered()
+                else:
+                    await trio.lowlevel.wait_readable(sock)
             finally:
                 pause.idle.discard(rest)
             if pause.requested:
                 raise Interrupted
             try:
-                return sock.recv(RECEIVE_SIZE)
+                data = sock.recv(RECEIVE_SIZE)
             except BlockingIOError:
                 continue
             except OSError:  # reset by peer and friends: the peer is gone
                 return b""
+            if self.lowered:
+                self.heard()
+            return data
 
     async def send(self, data: bytes) -> None:
         sock = self.sock

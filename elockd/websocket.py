@@ -115,6 +115,9 @@ class WebSocketTransport:
         else:
             await self._send({"type": "websocket.send", "bytes": data})
 
+    def replying_late(self) -> None:
+        """The HTTP port's sockets are its own business (the ASGI server's), not ours."""
+
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
