@@ -12,6 +12,7 @@ calls, and both keep data read while a request waits (see ``watch_for_close``).
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 import socket
 from collections import deque
@@ -23,9 +24,11 @@ from elockd.pause import NEVER, Interrupted, Parked, Pause
 from elockd.tcp_silence import lower_user_timeout, set_user_timeout, silent_for
 
 RECEIVE_SIZE = 65536
-#: After a late reply lowered the user timeout, how often a connection waiting to
-#: read checks whether its peer was heard since (then the whole bound applies again).
+#: After a late reply lowered the user timeout, how often :class:`Restorer` checks
+#: whether the peer was heard since (then the whole bound applies again).
 HEARD_RECHECK = 0.5
+#: Connections :class:`Restorer` checks between two checkpoints.
+RESTORE_SLICE = 256
 #: While a request waits, bytes read ahead of it are kept up to this much; past it
 #: we stop reading (the client is alive and pipelining; TCP pushes back on it).
 READ_AHEAD_LIMIT = 1 << 20
@@ -158,7 +161,7 @@ class SocketTransport(_ReadAhead):
     applies again once the peer is heard from. ``lowered`` says it is lowered now.
     """
 
-    __slots__ = ("bound", "closer", "heard_check", "lowered", "lowered_at", "send_timeout", "sock")
+    __slots__ = ("bound", "closer", "lowered", "lowered_at", "send_timeout", "sock")
 
     def __init__(
         self,
@@ -174,7 +177,7 @@ class SocketTransport(_ReadAhead):
         self.closer = closer
         self.bound = bound if sock.family in (socket.AF_INET, socket.AF_INET6) else 0.0
         self.lowered = False
-        self.lowered_at = self.heard_check = 0.0
+        self.lowered_at = 0.0
 
     def replying_late(self) -> None:
         if not self.bound:
@@ -185,8 +188,8 @@ class SocketTransport(_ReadAhead):
         except OSError:
             return  # the connection is gone: the send will tell
         self.lowered_at = trio.current_time()
-        self.heard_check = self.lowered_at + HEARD_RECHECK
         self.lowered = True
+        Restorer.of_this_run().watch(self, self.lowered_at + HEARD_RECHECK)
 
     def heard(self) -> None:
         """The peer was heard from since the late reply: the whole bound again."""
@@ -194,28 +197,21 @@ class SocketTransport(_ReadAhead):
         with contextlib.suppress(OSError):  # gone meanwhile: the next read tells
             set_user_timeout(self.sock, self.bound)
 
-    def _check_heard(self) -> None:
+    def check_heard(self) -> bool:
+        """Give the whole bound back if the peer was heard since the late reply (its
+        ACK, say: a holder that stays silent then keeps the whole bound, not what was
+        left of it). True while it is still to be checked again."""
+        if not self.lowered:
+            return False  # heard through a read meanwhile
         try:
             silence = silent_for(self.sock)
         except OSError:
-            self.lowered = False  # gone: the next read tells
-            return
-        now = trio.current_time()
-        if silence < now - self.lowered_at:
+            self.lowered = False  # closed: nothing left to restore
+            return False
+        if silence < trio.current_time() - self.lowered_at:
             self.heard()
-        else:
-            self.heard_check = now + HEARD_RECHECK
-
-    async def _wait_readable_lowered(self) -> None:
-        """Wait until the socket can be read, and meanwhile check now and then whether
-        the peer was heard since the late reply (its ACK, say): a holder that stays
-        silent then gets the whole bound again, not only what was left of it."""
-        while self.lowered:
-            with trio.move_on_at(self.heard_check):
-                await trio.lowlevel.wait_readable(self.sock)
-                return
-            self._check_heard()
-        await trio.lowlevel.wait_readable(self.sock)
+            return False
+        return True
 
     async def receive(self) -> bytes:
         """Yield to the other connections first, then try ``recv`` before arming epoll.
@@ -249,10 +245,7 @@ class SocketTransport(_ReadAhead):
             if rest is not None:
                 pause.idle.add(rest)
             try:
-                if self.lowered:
-                    await self._wait_readable_lowered()
-                else:
-                    await trio.lowlevel.wait_readable(sock)
+                await trio.lowlevel.wait_readable(sock)
             finally:
                 pause.idle.discard(rest)
             if pause.requested:
@@ -292,6 +285,60 @@ class SocketTransport(_ReadAhead):
             self.sock.close()
         else:
             self.closer.close_later(self.sock)
+
+
+class Restorer:
+    """One task per trio run (a system task, started on first use) that gives
+    connections whose user timeout a late reply lowered the whole bound back once
+    their peer was heard from, :data:`RESTORE_SLICE` at a time with a checkpoint
+    between slices. One task, not a timer in each connection's read: 10,000 waits
+    that time out together would otherwise all wake at once half a second later,
+    each re-arming its epoll registration (a 100 ms stall for everyone else)."""
+
+    _current: trio.lowlevel.RunVar[Restorer] = trio.lowlevel.RunVar("restorer")
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, SocketTransport]] = []
+        self._order = 0  # ties in the heap never compare transports
+        self._work = trio.Event()
+
+    @classmethod
+    def of_this_run(cls) -> Restorer:
+        try:
+            return cls._current.get()
+        except LookupError:
+            restorer = cls()
+            cls._current.set(restorer)
+            trio.lowlevel.spawn_system_task(restorer.run, name="elockd.transport.Restorer")
+            return restorer
+
+    def watch(self, transport: SocketTransport, at: float) -> None:
+        """Check ``transport`` at ``at`` (and every :data:`HEARD_RECHECK` after, while
+        its peer stays unheard: then the kernel gives it up within what was left)."""
+        self._order += 1
+        heapq.heappush(self._due, (at, self._order, transport))
+        self._work.set()
+
+    async def run(self) -> None:
+        due = self._due
+        while True:
+            if not due:
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            now = trio.current_time()
+            if due[0][0] > now:
+                with trio.move_on_at(due[0][0]):
+                    await self._work.wait()  # an earlier one may come meanwhile
+                self._work = trio.Event()
+                continue
+            for _ in range(RESTORE_SLICE):
+                if not due or due[0][0] > now:
+                    break
+                _, _, transport = heapq.heappop(due)
+                if transport.check_heard():
+                    self.watch(transport, now + HEARD_RECHECK)
+            await trio.lowlevel.checkpoint()
 
 
 #: A Stream's send_all gives no sign of progress until it returns, so

@@ -93,7 +93,7 @@ async def test_an_ack_of_the_late_reply_gives_the_whole_bound_back(
     tcp_pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A holder that got its grant and then stays silent: the ACK of the grant is
-    noticed while the connection waits to read, and the bound is whole again."""
+    noticed (by the run's Restorer), and the bound is whole again."""
     monkeypatch.setattr(transport, "HEARD_RECHECK", 0.02)
     accepted, client = tcp_pair
     served = SocketTransport(accepted, bound=BOUND)
@@ -115,7 +115,7 @@ async def test_a_peer_not_heard_since_the_late_reply_stays_lowered(
     tcp_pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Nothing was sent, so nothing is acknowledged: the peer stays unheard, and its
-    timeout stays what was left of the bound however often the reader checks."""
+    timeout stays what was left of the bound however often it is checked."""
     monkeypatch.setattr(transport, "HEARD_RECHECK", 0.02)
     accepted, _ = tcp_pair
     served = SocketTransport(accepted, bound=BOUND)
