@@ -49,6 +49,7 @@ from elockd.startup import (
     blame_file,
     shown,
 )
+from elockd.tcp_silence import keepalive_bound, keepalive_settings, set_user_timeout
 from elockd.tracing import trace_requests
 from elockd.transport import Closer, SocketTransport, StreamTransport
 from elockd.unix_socket import OwnedPath, UnixPeers, open_unix_socket
@@ -113,17 +114,6 @@ def open_tcp_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-def keepalive_settings(seconds: float) -> tuple[int, int, int]:
-    """TCP_KEEPIDLE, TCP_KEEPINTVL and TCP_KEEPCNT that notice a vanished peer well
-    within ``seconds``: half of it idle, then probes a tenth of it apart until 80%
-    of it has passed (30 s: idle 15 s, then 3 probes 3 s apart: dead at 24 s). The
-    kernel counts whole seconds, so very small values round up to 1 s steps."""
-    idle = max(1, int(seconds * 0.5))
-    interval = max(1, int(seconds * 0.1))
-    count = max(1, int((seconds * 0.8 - idle) // interval))
-    return idle, interval, count
-
-
 def tune_accepted(sock: socket.socket, keepalive: float = 0.0) -> None:
     """No Nagle delay, and TCP keepalive so that a client host that vanished (power
     cut, cable pulled: no FIN, no RST ever comes) is noticed within ``keepalive``
@@ -141,8 +131,7 @@ def tune_accepted(sock: socket.socket, keepalive: float = 0.0) -> None:
         # With keepalive on, Linux closes at the first probe after this much silence
         # (it overrides the probe count), so it is the same bound, not the whole of
         # ``keepalive``: a probe a second late would otherwise pass it.
-        dead_after = idle + interval * count
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, dead_after * 1000)
+        set_user_timeout(sock, keepalive_bound(keepalive))
 
 
 class SpareDescriptor:
@@ -222,6 +211,8 @@ async def accept_loop(
     keepalive = service.config.keepalive
     counters = service.counters
     unix = listener.family == socket.AF_UNIX
+    # Late replies lower TCP_USER_TIMEOUT to what is left of this (elockd/tcp_silence.py).
+    bound = keepalive_bound(keepalive)
     while True:
         await trio.lowlevel.wait_readable(listener)
         while True:
@@ -257,7 +248,7 @@ async def accept_loop(
             slots.used += 1
             counters.connections += 1
             if tls is None:
-                transport = SocketTransport(sock, send_timeout, closer)
+                transport = SocketTransport(sock, send_timeout, closer, bound)
                 nursery.start_soon(
                     slots.run, serve_connection, service, transport, peer, None, True
                 )

@@ -13,6 +13,7 @@ run it over a :class:`~elockd.transport.Transport`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -21,6 +22,7 @@ from elockd.framing import LineReader
 from elockd.logs import log_connection_close, log_connection_open
 from elockd.pause import Backlog, HandedOver, Interrupted, Parked
 from elockd.protocol import Connection, Delayed, Outcome, Reply, Service, Streamed
+from elockd.tcp_silence import LATE_REPLY
 from elockd.transport import Transport
 
 #: Replies of one received chunk are sent once they reach this many bytes, not only
@@ -151,7 +153,7 @@ async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | 
                 backlog.keep(lines, index + 1)
                 if isinstance(reply, Outcome) and reply.waits:
                     backlog.pending = reply
-                delivered = await deliver(reply, transport)
+                delivered = await deliver(reply, transport, now)
                 if delivered is None:  # paused while the request waits for its grant
                     await pause.park(rest)
                     break
@@ -188,11 +190,16 @@ async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | 
             await transport.send(b"".join(replies))
 
 
-async def deliver(reply: Reply, transport: Transport) -> bool | None:
+async def deliver(reply: Reply, transport: Transport, asked: float = -math.inf) -> bool | None:
     """Send a reply that was not ready at once; False when the client went away while
     its request waited (its session's disconnect then cancels the wait), None when a
     hand-over's pause came first (the request still waits in the engine, or was
-    granted but not answered: either way the reply is whoever serves it next's)."""
+    granted but not answered: either way the reply is whoever serves it next's).
+
+    ``asked`` is when the request was read (unknown for one resumed after a
+    hand-over): a reply :data:`~elockd.tcp_silence.LATE_REPLY` or more after it
+    tells the transport, so that a client whose host vanished while it waited is
+    given up on within the keepalive bound of its last word, not of the grant."""
     if isinstance(reply, Outcome):
         try:
             settled = await settle(reply, transport)
@@ -206,6 +213,8 @@ async def deliver(reply: Reply, transport: Transport) -> bool | None:
     elif isinstance(reply, Delayed):
         await trio.sleep(reply.seconds)
         reply = reply.reply
+    if trio.current_time() - asked >= LATE_REPLY:
+        transport.replying_late()
     if isinstance(reply, Streamed):
         await send_streamed(reply, transport)
     elif reply:  # glockd's dialect answers some requests with nothing at all

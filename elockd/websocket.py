@@ -313,6 +313,10 @@ class WebSocketTransport:
 
     # -------------------------------------------------------------------- closing
 
+    def replying_late(self) -> None:
+        """Not lowered here (yet): on a WebSocket, a reply sent after its client's host
+        vanished restarts the keepalive bound, as over TLS (docs/operations.md)."""
+
     async def aclose(self) -> None:
         """Send our close frame and a FIN (within :data:`CLOSE_LINGER`), and break
         every reference the session's objects hold to each other, so that they are
