@@ -225,9 +225,16 @@ class SessionOwnership:
         self.set_lease(0, math.inf)
         self.lose_all(why)
         self.calls.keeper_wanted.set()  # a new lease at once
-        # If etcd still has it (the node only lost touch), its entries would block
-        # their queues until etcd expires it: revoke it, if etcd answers in time.
-        self.calls.spawn(lambda: self.calls.revoke_quietly(old), "revoke a lapsed lease")
+        # If etcd still has it (its keepalives got through, but their answers came
+        # late), its entries would block their queues until etcd expires it: revoke
+        # it, if etcd answers. Not before the lost sessions' connections had the
+        # margin to close: a revoke lets other nodes grant their locks at once, and
+        # lose() only cancels each connection's task, which closes it when it runs.
+        async def revoke_later() -> None:
+            await trio.sleep(LEASE_MARGIN)
+            await self.calls.revoke_quietly(old)
+
+        self.calls.spawn(revoke_later, "revoke a lapsed lease")
 
     def lose_all(self, why: str) -> None:
         """Every session that wrote to etcd is lost (see :meth:`lose`)."""
