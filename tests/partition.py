@@ -40,6 +40,7 @@ isolated etcd leader with and without ``--pre-vote`` (docs/cluster.md).
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import math
@@ -50,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
@@ -60,7 +62,7 @@ from typing import Any
 import trio
 
 from elockd.cluster.etcd_client import EtcdClient, prefix_end
-from tests.etcd_cluster import EtcdCluster
+from tests.etcd_cluster import EtcdCluster, member_status
 from tests.netns import enter, ip, run_in, why_namespaces_cannot_be_made
 from tests.safety import Report, check
 from tests.server_process import start_server, stop_server
@@ -258,6 +260,10 @@ class Lab:
 # ------------------------------------------------------------------ the proxy
 
 
+#: What a proxied connection ends with when either side goes away.
+BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
 class DelayProxy:
     """TCP forwarders inside one namespace, one per etcd member, on 127.0.0.1.
 
@@ -311,25 +317,23 @@ class DelayProxy:
         send, receive = trio.open_memory_channel[tuple[float, bytes]](math.inf)
 
         async def deliver() -> None:
-            async for due, data in receive:
-                await trio.sleep_until(due)
-                if not data:
-                    break
-                await sink.send_all(data)
-            scope.cancel()
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(deliver)
-                last = 0.0
-                while True:
-                    data = await source.receive_some(65536)
-                    last = max(last, trio.current_time() + self.delay)
-                    send.send_nowait((last, data))
+            with contextlib.suppress(*BROKEN):
+                async for due, data in receive:
+                    await trio.sleep_until(due)
                     if not data:
-                        return
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            scope.cancel()
+                        break
+                    await sink.send_all(data)
+            scope.cancel()  # both ways: this proxy never half-closes
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(deliver)
+            last, data = 0.0, b"-"
+            while data:
+                data = b""
+                with contextlib.suppress(*BROKEN):
+                    data = await source.receive_some(65536)
+                last = max(last, trio.current_time() + self.delay)
+                send.send_nowait((last, data))
 
     def close(self) -> None:
         if self._token is not None and self._scope is not None:
@@ -813,7 +817,81 @@ def describe(outcome: Outcome, found: Figures) -> str:
     cuts = ", ".join(f"{what} at {at - start:.2f}" for at, what in outcome.cuts)
     lines = [f"{outcome.name}: {found.summary()}", f"  cuts: {cuts}"]
     lines += [f"  {v}" for v in found.other_violations[:10]]
+    if len(outcome.holds) <= 8:  # a scripted run: every hold
+        for hold in outcome.holds:
+            told = "-" if hold.told is None else f"{hold.told - start:.2f} ({hold.told_how})"
+            lines.append(
+                f"  {hold.client} on {hold.node.upper()}: granted {hold.granted - start:.2f}, "
+                f"token {hold.token}, last confirmed {hold.end - start:.2f}, told {told}"
+            )
     return "\n".join(lines)
+
+
+def put(url: str, key: str) -> None:
+    """One write through etcd's JSON gateway (raises when it fails or times out)."""
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode(), "value": ""})
+    request = urllib.request.Request(
+        f"{url}/v3/kv/put", data=body.encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        response.read()
+
+
+def pre_vote_figures(pre_vote: bool, isolated_for: float = 10.0, after: float = 8.0) -> str:
+    """Isolate the etcd leader for ``isolated_for`` seconds while a client writes to a
+    member of the majority every 50 ms; then heal. Returns what happened: the terms,
+    and the longest write after the heal (how long writes stalled)."""
+    with lab(pre_vote) as made:
+        leader = made.etcd.leader()
+        follower = made.etcd.follower()
+        url = made.etcd.members[follower].url
+        own = made.etcd.members[leader]
+
+        def term(name: str) -> int:
+            status = made.etcd.status(name)
+            return -1 if status is None else int(status["raft_term"])
+
+        before = term(leader)
+        writes: list[tuple[float, float, bool]] = []
+        stop = threading.Event()
+
+        def writer() -> None:
+            while not stop.is_set():
+                began = time.monotonic()
+                try:
+                    put(url, "/pre-vote/probe")
+                    ok = True
+                except OSError:
+                    ok = False
+                writes.append((began, time.monotonic(), ok))
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=lambda: run_in(made.namespace("c"), writer))
+        thread.start()
+        try:
+            time.sleep(1.0)
+            made.isolate_member(leader)
+            time.sleep(isolated_for)
+            # Asked from inside its own namespace, which the cut does not reach.
+            isolated = run_in(made.namespace(leader), lambda: member_status(own.url))
+            isolated_term = -1 if isolated is None else int(isolated["raft_term"])
+            majority_term = term(follower)
+            healed = time.monotonic()
+            made.heal()
+            time.sleep(after)
+        finally:
+            stop.set()
+            thread.join()
+        final = term(follower)
+        after_heal = [(b, e, ok) for b, e, ok in writes if e > healed]
+        longest = max((e - b for b, e, _ in after_heal), default=0.0)
+        failed = sum(not ok for _, _, ok in after_heal)
+        return (
+            f"--pre-vote={'true' if pre_vote else 'false'}: term {before} before; after "
+            f"{isolated_for:.0f} s isolated, the old leader {leader} is at term {isolated_term}, "
+            f"the majority at {majority_term}; {after:.0f} s after the heal the term is {final}; "
+            f"longest write after the heal {longest:.2f} s, {failed} failed writes"
+        )
 
 
 @contextlib.contextmanager
@@ -843,8 +921,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.partition", description=__doc__)
     parser.add_argument(
         "scenario",
-        choices=["node-cut", "clients-cut", "leader", "flapping", "long-cut", "stale-watch"],
-    )
+        choices=[
+            "node-cut", "clients-cut", "leader", "flapping", "long-cut", "stale-watch", "pre-vote",
+        ],
+    )  # fmt: skip
     parser.add_argument("--mode", default="loss", help="loss, down, delay, or a,b,c in turn")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--ttl", type=int, default=5)
@@ -855,6 +935,11 @@ def main(argv: list[str] | None = None) -> int:
     if (why := why_no_lab()) is not None:
         print(f"cannot build the lab: {why}", file=sys.stderr)
         return 2
+    if args.scenario == "pre-vote":
+        for number in range(args.runs):
+            for pre_vote in (False, True):
+                print(f"run {number + 1}: {pre_vote_figures(pre_vote)}", flush=True)
+        return 0
     modes = args.mode.split(",")
     bad = 0
     with lab() as made:
