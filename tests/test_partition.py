@@ -103,16 +103,16 @@ def test_the_etcd_leader_isolated(partition_lab: Lab) -> None:
 
 def test_flapping_link_between_a_node_and_etcd(partition_lab: Lab) -> None:
     """(d) A cut from etcd and healed every 2-5 s; no stuck key afterwards."""
-    check_run(partition_lab, flapping(60.0 if STRESS else 6.0))
+    check_run(partition_lab, flapping(60.0 if STRESS else 5.0, TTL))
 
 
 def test_a_long_cut_then_heal_resurrects_nothing(partition_lab: Lab) -> None:
     """(e) After a cut much longer than the TTL, A's old holds stay gone and A serves."""
-    outcome, _ = check_run(partition_lab, long_cut(30.0 if STRESS else 3.0 * TTL))
+    outcome, _ = check_run(partition_lab, long_cut(30.0 if STRESS else 2.5 * TTL, TTL))
     assert any(h.node == "a" and h.told is not None for h in outcome.holds)
 
 
-@pytest.mark.parametrize("mode", ["loss", "delay"])
+@pytest.mark.parametrize("mode", ["loss", "delay"] if STRESS else ["loss"])
 def test_a_stale_watch_never_grants_from_the_past(partition_lab: Lab, mode: str) -> None:
     """(f) B holds X, A's client waits, B's waits behind it; A is cut; B's holder
     unlocks; the cut heals. A must not grant its waiter from its stale view."""
