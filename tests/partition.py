@@ -477,6 +477,10 @@ class Closed(Exception):
     """The node closed the connection."""
 
 
+#: How a client learns that its connection is gone (closed, reset, refused).
+GONE = (Closed, *BROKEN)
+
+
 class Line:
     """One client connection in the clients' trio run."""
 
@@ -533,7 +537,7 @@ class Run:
         sent = time.monotonic()
         try:
             reply = await line.request(f"token {hold.key}")
-        except (Closed, OSError):
+        except GONE:
             hold.told, hold.told_how = time.monotonic(), "closed"
             raise
         if reply.startswith("200 "):
@@ -583,7 +587,7 @@ class Run:
                         break  # told lost: a fresh connection, as a client would
                     await self.unlock(line, hold)
                     await trio.sleep(rng.uniform(0.0, 0.2))
-            except (Closed, OSError):
+            except GONE:
                 self.note("<closed>")
             with contextlib.suppress(OSError):
                 await line.stream.aclose()
@@ -633,7 +637,7 @@ class Run:
                     with trio.fail_after(30):
                         reply = await line.request(f"lock {key} 25")
                     await line.stream.aclose()
-                except (Closed, OSError, trio.TooSlowError) as error:
+                except (*GONE, trio.TooSlowError) as error:
                     reply = repr(error)
                 if reply != "200 Acquired":
                     self.outcome.problems.append(f"{key} through {node} after the run: {reply}")
@@ -750,7 +754,7 @@ def stale_watch(mode: str, ttl: int) -> Scenario:
                 hold = await run.lock(line, client, node, "x0")
                 if hold is not None and await run.hold_for(line, hold, 3.0):
                     await run.unlock(line, hold)
-            except (Closed, OSError):
+            except GONE:
                 run.note("<closed>")
 
         holder_line = await run.connect("b")
