@@ -39,13 +39,18 @@ def peer_name(address: object) -> bytes:
 
 
 async def serve_connection(
-    service: Service, transport: Transport, peer: bytes, resumed: Parked | None = None
+    service: Service,
+    transport: Transport,
+    peer: bytes,
+    resumed: Parked | None = None,
+    counted: bool = False,
 ) -> None:
     """Run one client connection to its end, then free its session per its rules.
 
     ``resumed`` is a connection taken over from a predecessor (docs/upgrade.md): its
     session, reader state and backlog of requests are served on as they were. A
-    connection handed over to a successor ends here without closing anything."""
+    connection handed over to a successor ends here without closing anything.
+    ``counted``: the accept loop already counted it in ``connections``."""
     pause = service.pause
     transport.pause = pause
     if resumed is None:
@@ -53,10 +58,14 @@ async def serve_connection(
         if pause.requested:  # accepted just before a hand-over: nothing handled yet
             try:
                 await pause.park(rest)
-            except HandedOver:
-                return
+            except BaseException as error:
+                if counted:  # no Connection will take the count over
+                    service.counters.connections -= 1
+                if isinstance(error, HandedOver):
+                    return
+                raise
         log_connection_open(peer)
-        rest.conn = Connection(service, peer)
+        rest.conn = Connection(service, peer, counted=counted)
     else:
         rest = resumed
         if rest.conn is None:
@@ -78,6 +87,10 @@ async def serve_connection(
         # connection that could not move (TLS) ends with this process.
         if not handed_over and not pause.handed_over:
             conn.close(trio.current_time())
+            # The transport and its resting state point at each other: break the
+            # cycle, so that the connection is freed now by its reference counts
+            # and not by a collection the raised GC thresholds rarely run.
+            transport.rest = None
             await transport.aclose()
             log_connection_close(peer)
 
@@ -235,15 +248,7 @@ async def send_streamed(reply: Streamed, transport: Transport) -> None:
     """Send a streamed reply a chunk at a time: the next chunk is made only after the
     last one went out (a client that does not read stops the dump, not the server),
     and other connections run between chunks."""
-    if transport.whole_replies:
-        whole = b"".join(reply.chunks)
-        if whole:
-            await transport.send(whole)
-        return
-    for chunk in reply.chunks:
-        if chunk:  # an empty listing in glockd's dialect is no reply at all
-            await transport.send(chunk)
-        await trio.lowlevel.checkpoint()
+    await transport.send_stream(reply.chunks)
 
 
 class ConnectionSlots:

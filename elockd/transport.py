@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import socket
 from collections import deque
+from collections.abc import Iterable
 from typing import Protocol
 
 import trio
@@ -27,9 +28,6 @@ READ_AHEAD_LIMIT = 1 << 20
 
 
 class Transport(Protocol):
-    #: True when a multi-line reply must go out whole, in one send (a WebSocket
-    #: message); else it is sent a chunk at a time as the client reads.
-    whole_replies: bool
     #: Set by the connection's loop: while a read waits, the connection rests as
     #: ``rest`` (it counts as parked for a hand-over's ``pause``), and a read that
     #: ends while the pause lasts raises :class:`~elockd.pause.Interrupted` instead
@@ -42,6 +40,11 @@ class Transport(Protocol):
 
     async def send(self, data: bytes) -> None: ...
 
+    async def send_stream(self, chunks: Iterable[bytes]) -> None:
+        """Send a reply that grows with the tables, a chunk at a time: each chunk is
+        made only once the one before went out (as one WebSocket message, in
+        fragments)."""
+
     async def watch_for_close(self) -> None:
         """Return when the peer closes; keep what it sends meanwhile for receive()."""
 
@@ -52,7 +55,6 @@ class _ReadAhead:
     """What both transports share: data read while a request waited comes first."""
 
     __slots__ = ("_read_ahead", "pause", "rest")
-    whole_replies = False
 
     def __init__(self) -> None:
         self._read_ahead = b""
@@ -70,6 +72,17 @@ class _ReadAhead:
 
     async def _receive_raw(self) -> bytes:
         raise NotImplementedError
+
+    async def send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def send_stream(self, chunks: Iterable[bytes]) -> None:
+        """A chunk at a time, as the client reads (a client that does not read stops
+        the dump, not the server); other connections run between chunks."""
+        for chunk in chunks:
+            if chunk:  # an empty listing in glockd's dialect is no reply at all
+                await self.send(chunk)
+            await trio.lowlevel.checkpoint()
 
     async def receive(self) -> bytes:
         if self._read_ahead:
