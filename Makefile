@@ -42,7 +42,7 @@ test: lint
 # vanished client host with default flags (its lock freed within --keepalive 30).
 # And the in-memory run with five hand-overs to a successor (docs/upgrade.md), which
 # clients must not notice, for HANDOVER_STRESS_SECONDS.
-# And the cluster under real network partitions (tests/partition.py, docs/cluster.md):
+# And the cluster under real network partitions (tests/partition_lab.py, docs/cluster.md):
 # 10 runs of a node cut from etcd (loss, link down, 2 s delay), the stale-watch
 # sequence, flapping for 60 s and a 30 s cut, each run's figures printed.
 STRESS_SECONDS ?= 60

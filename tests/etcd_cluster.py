@@ -9,7 +9,7 @@ Members are only ever signalled by their own pid, never by name.
 
 Members run with the flags docs/cluster.md recommends (``--pre-vote``). Given
 ``places`` (an address and a network namespace per member), each member runs inside
-its own namespace on that address (tests/partition.py); ``reach`` then runs the
+its own namespace on that address (tests/partition_lab.py); ``reach`` then runs the
 status calls where those addresses can be reached.
 """
 

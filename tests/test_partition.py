@@ -1,4 +1,4 @@
-"""A cluster under real network partitions (tests/partition.py builds the lab).
+"""A cluster under real network partitions (tests/partition_lab.py builds the lab).
 
 Each test starts nodes A and B afresh in one lab of network namespaces (3 etcd
 members, two nodes, the clients, a switch), cuts something at the switch, and runs
@@ -20,21 +20,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.partition import (
-    Lab,
-    Outcome,
+from tests.partition_clients import Outcome, figures
+from tests.partition_lab import Lab, lab, why_no_lab
+from tests.partition_runs import (
     Scenario,
     clients_cut,
     describe,
-    figures,
     flapping,
-    lab,
     leader_isolated,
     long_cut,
     node_cut,
     run_scenario,
     stale_watch,
-    why_no_lab,
 )
 
 # Cuts last seconds and are judged on one clock: run alone. And etcd is real.
