@@ -92,6 +92,8 @@ class Figures:
     #: grant of that key the client was told (negative: told after it).
     leads: list[float]
     grants: dict[str, int]
+    #: The holds told less than 0.3 s before B's grant, each in detail.
+    close_calls: list[str] = field(default_factory=list)
 
     @property
     def smallest_lead(self) -> float | None:
@@ -144,6 +146,7 @@ def figures(outcome: Outcome) -> Figures:
         stale += len(late)
         latest = max([latest, *late])
     leads = []
+    close_calls: list[str] = []
     for hold in outcome.holds:
         if hold.node != "a" or hold.told is None or hold.unlock_sent is not None:
             continue
@@ -154,12 +157,22 @@ def figures(outcome: Outcome) -> Figures:
         ]
         if after:
             leads.append(min(after) - hold.told)
+            if leads[-1] < 0.3:
+                deleted = outcome.deleted.get(
+                    (hold.key, ((hold.token or 0) - outcome.token_floor) // 64)
+                )
+                since = "-" if deleted is None else f"{hold.told - deleted:+.3f}"
+                close_calls.append(
+                    f"{hold.hold_id} of {hold.client} on {hold.key}: told ({hold.told_how}) "
+                    f"{leads[-1]:.3f} s before B's grant; after etcd deleted its entry: {since} s; "
+                    f"last confirmed {hold.end - hold.told:+.3f} s"
+                )
     grants: dict[str, int] = defaultdict(int)
     for hold in outcome.holds:
         grants[hold.node] += 1
     return Figures(
         len(overlaps), longest if overlaps else 0.0, len(regressions),
-        others + outcome.problems, stale, latest, leads, dict(grants),
+        others + outcome.problems, stale, latest, leads, dict(grants), close_calls,
     )  # fmt: skip
 
 
@@ -190,6 +203,22 @@ class Line:
             self.buffer += chunk
         reply, _, self.buffer = self.buffer.partition(b"\r\n")
         return reply.decode()
+
+    async def idle(self, seconds: float, hold: Hold) -> None:
+        """Wait ``seconds`` between polls, but notice at once a close the node sends
+        meanwhile (it sends nothing else unasked): the moment the client is told is
+        the point of the lead, and a poll would learn of it up to ``seconds`` late."""
+        with trio.move_on_after(seconds):
+            await self.stream.socket.wait_readable()
+            try:
+                chunk = await self.stream.receive_some(65536)
+            except BROKEN:
+                chunk = b""
+            if not chunk:
+                hold.told, hold.told_how = time.monotonic(), "closed"
+                raise Closed
+            self.buffer += chunk
+            await trio.sleep_forever()
 
 
 class Run:
@@ -251,7 +280,7 @@ class Run:
         with ``through_cuts``); False once told lost."""
         until = time.monotonic() + seconds
         while time.monotonic() < until or (through_cuts and self.cut_active):
-            await trio.sleep(POLL)
+            await line.idle(POLL, hold)
             if hold.told is not None or not await self.confirm(line, hold):
                 return False
         return hold.told is None

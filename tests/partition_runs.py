@@ -221,6 +221,7 @@ def describe(outcome: Outcome, found: Figures) -> str:
     cuts = ", ".join(f"{what} at {at - start:.2f}" for at, what in outcome.cuts)
     lines = [f"{outcome.name}: {found.summary()}", f"  cuts: {cuts}"]
     lines += [f"  {v}" for v in found.other_violations[:10]]
+    lines += [f"  close call: {c}" for c in found.close_calls]
     if len(outcome.holds) <= 8:  # a scripted run: every hold
         for hold in outcome.holds:
             told = "-" if hold.told is None else f"{hold.told - start:.2f} ({hold.told_how})"
