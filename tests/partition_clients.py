@@ -209,7 +209,7 @@ class Line:
         meanwhile (it sends nothing else unasked): the moment the client is told is
         the point of the lead, and a poll would learn of it up to ``seconds`` late."""
         with trio.move_on_after(seconds):
-            await self.stream.socket.wait_readable()
+            await trio.lowlevel.wait_readable(self.stream.socket)
             try:
                 chunk = await self.stream.receive_some(65536)
             except BROKEN:
