@@ -27,7 +27,6 @@ from pathlib import Path
 
 import trio
 
-from tests.etcd_cluster import member_status
 from tests.netns import run_in
 from tests.partition_clients import CLIENTS_PER_NODE, GONE, Figures, Outcome, Run, figures
 from tests.partition_lab import Lab, lab, why_no_lab
@@ -242,6 +241,12 @@ def put(url: str, key: str) -> None:
         response.read()
 
 
+def raft_term(url: str) -> int:
+    """A member's raft term as raft itself has it (``raft.status`` in /debug/vars)."""
+    with urllib.request.urlopen(f"{url}/debug/vars", timeout=2) as response:
+        return int(json.loads(response.read())["raft.status"]["term"])
+
+
 def pre_vote_figures(pre_vote: bool, isolated_for: float = 10.0, after: float = 8.0) -> str:
     """Isolate the etcd leader for ``isolated_for`` seconds while a client writes to a
     member of the majority every 50 ms; then heal. Returns what happened: the terms,
@@ -254,7 +259,7 @@ def pre_vote_figures(pre_vote: bool, isolated_for: float = 10.0, after: float = 
 
         def term(name: str) -> int:
             status = made.etcd.status(name)
-            return -1 if status is None else int(status["raft_term"])
+            return -1 if status is None else int(status["header"]["raft_term"])
 
         before = term(leader)
         writes: list[tuple[float, float, bool]] = []
@@ -277,9 +282,9 @@ def pre_vote_figures(pre_vote: bool, isolated_for: float = 10.0, after: float = 
             time.sleep(1.0)
             made.isolate_member(leader)
             time.sleep(isolated_for)
-            # Asked from inside its own namespace, which the cut does not reach.
-            isolated = run_in(made.namespace(leader), lambda: member_status(own.url))
-            isolated_term = -1 if isolated is None else int(isolated["raft_term"])
+            # Asked from inside its own namespace, which the cut does not reach; raft's
+            # own term (status reports the term of the last leadership change only).
+            isolated_term = run_in(made.namespace(leader), lambda: raft_term(own.url))
             majority_term = term(follower)
             healed = time.monotonic()
             made.heal()
