@@ -56,14 +56,17 @@ def check_run(made: Lab, scenario: Scenario, seed: int = 1) -> tuple[Outcome, li
     outcome = run_scenario(made, scenario, ttl=TTL, seed=seed)
     found = figures(outcome)
     print(describe(outcome, found))
-    for role, log in outcome.logs.items():
-        print(f"--- node {role} logged:")
-        print("".join(log[-40:]), end="")
-    assert found.other_violations == []
-    assert found.overlaps == 0, "two clients held one exclusive lock at once"
-    assert found.regressions == 0, "a fencing token went back"
-    assert found.stale_confirmations == 0, "a node confirmed a hold etcd had deleted"
-    assert all(lead > 0 for lead in found.leads), f"told after B's grant: {found.leads}"
+    try:
+        assert found.other_violations == []
+        assert found.overlaps == 0, "two clients held one exclusive lock at once"
+        assert found.regressions == 0, "a fencing token went back"
+        assert found.stale_confirmations == 0, "a node confirmed a hold etcd had deleted"
+        assert all(lead > 0 for lead in found.leads), f"told after B's grant: {found.leads}"
+    except AssertionError:
+        for role, log in outcome.logs.items():
+            print(f"--- node {role} logged:")
+            print("".join(log[-60:]), end="")
+        raise
     return outcome, found.leads
 
 
