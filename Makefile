@@ -43,6 +43,9 @@ test: lint
 # a vanished waiter's host whose grant went out during the cut (freed within 24 s + 1 s).
 # And the in-memory run with five hand-overs to a successor (docs/upgrade.md), which
 # clients must not notice, for HANDOVER_STRESS_SECONDS.
+# And the cluster under real network partitions (tests/partition_lab.py, docs/cluster.md):
+# 10 runs of a node cut from etcd (loss, link down, 2 s delay), the stale-watch
+# sequence, flapping for 60 s and a 30 s cut, each run's figures printed.
 STRESS_SECONDS ?= 60
 HANDOVER_STRESS_SECONDS ?= 30
 stress: $(VENV)/.installed-test
@@ -50,6 +53,7 @@ stress: $(VENV)/.installed-test
 	HANDOVER_STRESS_SECONDS=$(HANDOVER_STRESS_SECONDS) $(BIN)/python -m pytest -q -s tests/test_safety.py -k handovers
 	VANISH_DEFAULT_FLAGS=1 $(BIN)/python -m pytest -q -s tests/test_hostile.py -k vanished
 	CLUSTER_STRESS_SECONDS=$(STRESS_SECONDS) $(BIN)/python -m pytest -q -s tests/test_cluster_safety.py
+	PARTITION_STRESS=1 $(BIN)/python -m pytest -q -s tests/test_partition.py
 
 # Benchmarks, not tests: elockd beside redis-server (when installed), pinned with
 # taskset, ratios printed per row. BENCH_ARGS passes options (see bench/run.py

@@ -6,6 +6,11 @@ or comes back. Every method blocks, but only briefly, so trio tests may call the
 directly; the ones that wait for an election (``start_member``, ``heal``) are
 better run through ``trio.to_thread.run_sync`` when a watch must keep flowing.
 Members are only ever signalled by their own pid, never by name.
+
+Members run with the flags docs/cluster.md recommends (``--pre-vote``). Given
+``places`` (an address and a network namespace per member), each member runs inside
+its own namespace on that address (tests/partition_lab.py); ``reach`` then runs the
+status calls where those addresses can be reached.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from tests.netns import enter
+
+T = TypeVar("T")
 
 START_TIMEOUT = 20.0
 
@@ -35,14 +44,17 @@ class Member:
     peer_port: int
     process: subprocess.Popen[bytes] | None
     stopped: bool = False
+    host: str = "127.0.0.1"
+    #: The network namespace the member runs in (None: this process's own).
+    namespace: str | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"http://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def alive(self) -> bool:
@@ -92,20 +104,45 @@ def all_threads_stopped(pid: int) -> bool:
     return True
 
 
-class EtcdCluster:
-    """``size`` members named n1..nN with data and logs under ``base``."""
+def here(function: Callable[[], T]) -> T:
+    return function()
 
-    def __init__(self, base: Path, size: int = 3) -> None:
+
+class EtcdCluster:
+    """``size`` members named n1..nN with data and logs under ``base``.
+
+    ``places``: (address, network namespace) of each member, which then listens on
+    etcd's usual ports 2379 and 2380 there; ``reach`` runs a status call where the
+    members can be reached (by default in this thread)."""
+
+    def __init__(
+        self,
+        base: Path,
+        size: int = 3,
+        *,
+        places: Sequence[tuple[str, str]] | None = None,
+        reach: Callable[[Callable[[], Any]], Any] = here,
+    ) -> None:
         self.base = base
-        ports = free_ports(2 * size)
-        self.members = {
-            f"n{i + 1}": Member(f"n{i + 1}", ports[2 * i], ports[2 * i + 1], None)
-            for i in range(size)
-        }
+        self.reach = reach
+        if places is None:
+            ports = free_ports(2 * size)
+            self.members = {
+                f"n{i + 1}": Member(f"n{i + 1}", ports[2 * i], ports[2 * i + 1], None)
+                for i in range(size)
+            }
+        else:
+            self.members = {
+                f"n{i + 1}": Member(f"n{i + 1}", 2379, 2380, None, host=host, namespace=namespace)
+                for i, (host, namespace) in enumerate(places)
+            }
         # Unique per cluster, so members of two clusters can never talk to each other.
         self.token = f"elockd-test-{uuid.uuid4().hex[:12]}"
         self.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members.values())
         self._ids: dict[str, str] = {}  # member id (decimal string) -> name
+        #: Appended to every member's command line (a test of etcd's own defaults
+        #: can turn ``--pre-vote`` off again with ``--pre-vote=false``).
+        self.extra_flags: list[str] = []
 
     @property
     def endpoints(self) -> list[str]:
@@ -143,20 +180,25 @@ class EtcdCluster:
             *("--initial-cluster-state", "new"),
             *("--heartbeat-interval", "100"),
             *("--election-timeout", "1000"),
+            # An isolated member must not raise its term and force an election when
+            # it comes back (docs/cluster.md, "etcd flags").
+            "--pre-vote",
             *("--logger", "zap"),
             *("--log-outputs", str(logs / f"{name}.log")),
         ]
+        namespace = member.namespace
         with open(logs / f"{name}.out", "ab") as out:
             member.process = subprocess.Popen(
-                command,
+                [*command, *self.extra_flags],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=None if namespace is None else lambda: enter(namespace),
             )
         member.stopped = False
         if wait:
-            self._wait(lambda: member_status(member.url) is not None)
+            self._wait(lambda: self.status(name) is not None)
 
     def kill(self, name: str) -> None:
         """SIGKILL one member and reap it: a crash, with no chance to say goodbye."""
@@ -246,11 +288,17 @@ class EtcdCluster:
     def _all_answer(self) -> bool:
         return all(self._status(name) is not None for name in self.members)
 
+    def status(self, name: str) -> dict[str, Any] | None:
+        """One member's ``/v3/maintenance/status``, or None when it does not answer."""
+        url = self.members[name].url
+        status: dict[str, Any] | None = self.reach(lambda: member_status(url))
+        return status
+
     def _status(self, name: str) -> dict[str, Any] | None:
         member = self.members[name]
         if not member.alive:
             return None
-        status = member_status(member.url)
+        status = self.status(name)
         if status is not None:
             self._ids[str(status["header"]["member_id"])] = name
         return status

@@ -8,12 +8,19 @@ a /30 in 10.213.0.0/16 chosen by the test's pid, so parallel runs do not collide
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+#: setns(2)'s flag for a network namespace (os.CLONE_NEWNET from Python 3.12 on).
+CLONE_NEWNET = 0x40000000
 
 
 def why_namespaces_cannot_be_made() -> str | None:
@@ -27,6 +34,46 @@ def why_namespaces_cannot_be_made() -> str | None:
 
 def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def enter(namespace: str) -> None:
+    """Move the calling thread into ``namespace`` (made by ``ip netns add``).
+
+    Only the calling thread moves, and every socket it opens afterwards (and every
+    thread or process it starts) lives in that namespace. Used as a ``preexec_fn``,
+    it starts a process inside the namespace with no ``ip netns exec`` in between,
+    so the process's pid is the one to signal."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {namespace}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+def run_in(namespace: str, function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` on a fresh thread inside ``namespace``; its result or error.
+
+    A fresh thread each time, never a pooled one, so that no thread in another
+    namespace can ever pick the work up."""
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            enter(namespace)
+            outcome.append((True, function(*args)))
+        except BaseException as error:
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=target, name=f"in {namespace}", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 @dataclass

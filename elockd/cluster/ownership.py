@@ -225,6 +225,7 @@ class SessionOwnership:
         self.set_lease(0, math.inf)
         self.lose_all(why)
         self.calls.keeper_wanted.set()  # a new lease at once
+
         # If etcd still has it (its keepalives got through, but their answers came
         # late), its entries would block their queues until etcd expires it: revoke
         # it, if etcd answers. Not before the lost sessions' connections had the
