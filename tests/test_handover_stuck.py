@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import fcntl
 import socket
+import ssl
 import termios
 from pathlib import Path
 
 import pytest
 import trio
+import trustme
 
+from tests.cluster_nodes import Nodes
 from tests.polling import until_waiting
 from tests.server_process import stop_server
 from tests.test_handover import (
@@ -22,6 +25,7 @@ from tests.test_handover import (
     run_fake_successor,
     take_over,
     take_over_under_probe,
+    tls_connect,
     wait_exit,
 )
 
@@ -60,22 +64,23 @@ class StuckClient:
         self.sock.setblocking(False)
         blocked_since = None
         pending = memoryview(b"")
-        while True:
-            if not pending:
-                pending = memoryview(request)
-            try:
-                sent = self.sock.send(pending)
-            except BlockingIOError:
-                # Blocked for 0.5 s in a row: the server reads no more of it.
-                now = trio.current_time()
-                blocked_since = now if blocked_since is None else blocked_since
-                if now - blocked_since > 0.5:
-                    break
-                await trio.sleep(0.02)
-                continue
-            blocked_since = None
-            self.sent += bytes(pending[:sent]).count(b"\n")
-            pending = pending[sent:]
+        with trio.fail_after(30):
+            while True:
+                if not pending:
+                    pending = memoryview(request)
+                try:
+                    sent = self.sock.send(pending)
+                except BlockingIOError:
+                    # Blocked for 0.5 s in a row: the server reads no more of it.
+                    now = trio.current_time()
+                    blocked_since = now if blocked_since is None else blocked_since
+                    if now - blocked_since > 0.5:
+                        break
+                    await trio.sleep(0.02)
+                    continue
+                blocked_since = None
+                self.sent += bytes(pending[:sent]).count(b"\n")
+                pending = pending[sent:]
         self.rest = bytes(pending)
 
     async def read_every_reply(self, timeout: float) -> int:
@@ -216,5 +221,71 @@ async def test_clients_stuck_in_a_dump_bigger_than_the_limit_are_dropped_by_thei
                 assert await stuck.read_every_reply(10) == 0
             assert await ask(fresh, b"conn_id " + session_id) == b"200 conn id set\r\n"
             assert await ask(fresh, b"r graceful-key") == b"1 Released Lock\r\n"
+        finally:
+            stop_server(new)
+
+
+async def test_a_tls_client_stuck_in_a_send_ends_and_the_hand_over_goes_on(
+    tmp_path: Path, ca: trustme.CA, tls_files: dict[str, str]
+) -> None:
+    """A TLS send cannot say how much of it went out: one still waiting for its client
+    STREAM_SEND_GRACE into the pause ends its connection, as its send timeout would,
+    and the hand-over goes on. Its session waits out its grace on the successor."""
+    control = tmp_path / "control.sock"
+    tls = ("--tls-cert", tls_files["cert"], "--tls-key", tls_files["key"])
+    with old_server(control, *tls) as (old, port):
+        holder = await tls_connect(port, ca)
+        for index in range(200):
+            assert await ask(holder, b"g key-%d" % index) == b"1 Got Lock\r\n"
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        raw_sock = socket.socket()
+        raw_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TINY_BUFFER)
+        raw_sock.connect(("127.0.0.1", port))
+        stuck = context.wrap_socket(raw_sock, server_hostname="127.0.0.1")
+        stuck.sendall(b"set_timeout 30000\nlock stuck-key\nconn_id\n")
+        replies = b""
+        while replies.count(b"\n") < 3:
+            replies += stuck.recv(1000)
+        session_id = replies.split(b"\r\n")[2][4:]
+        stuck.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # the server reads no more of it
+            while True:
+                await trio.to_thread.run_sync(stuck.sendall, PADDED_DUMP_AND_COUNTERS)
+        new = await trio.to_thread.run_sync(lambda: take_over(control, *tls))
+        try:
+            assert await wait_exit(old, 10) == 0
+            back = await tls_connect(port, ca)
+            assert await ask(back, b"i key-199") == b"0 Not Locked\r\n"  # TLS: freed
+            assert await ask(back, b"conn_id " + session_id) == b"200 conn id set\r\n"
+            assert await ask(back, b"unlock stuck-key") == b"200 Unlocked\r\n"
+        finally:
+            stuck.close()
+            stop_server(new)
+
+
+@pytest.mark.cluster
+async def test_a_stuck_client_of_a_cluster_node_is_carried_with_its_replies(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """The same on a cluster node: the hand-over succeeds, the stuck client's replies
+    come from the successor once it reads, and its hold stays, as another node sees."""
+    control = tmp_path / "control.sock"
+    other = nodes.start()
+    with old_server(control, *nodes.flags()) as (old, port):
+        holder = await connect(port)
+        # Dumps of 50 KB: each takes an etcd read, and a few fill the buffers.
+        for index in range(50):
+            assert await ask(holder, b"g key-%d" % index + b"k" * 1000) == b"1 Got Lock\r\n"
+        stuck = StuckClient(port)
+        stuck.take(b"stuck-key")
+        await stuck.flood()
+        new = await trio.to_thread.run_sync(lambda: take_over(control, *nodes.flags()))
+        try:
+            assert await wait_exit(old, 10) == 0
+            assert await stuck.read_every_reply(10) == stuck.sent
+            watcher = await other.connect()
+            assert await ask(watcher, b"g stuck-key") == b"0 Cannot Get Lock\r\n"
+            assert await ask(holder, b"i key-49" + b"k" * 1000) == b"1 Locked\r\n"
         finally:
             stop_server(new)
