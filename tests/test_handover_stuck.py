@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 import trustme
 
+from elockd.pause import Pause
+from elockd.transport import UNSENT_LIMIT, SocketTransport
 from tests.cluster_nodes import Nodes
 from tests.polling import until_waiting
 from tests.server_process import stop_server
@@ -101,6 +104,59 @@ class StuckClient:
                     *lines, partial = (partial + chunk).split(b"\r\n")
                     ends += lines.count(b"END")
         return ends
+
+
+def stuck_pair() -> tuple[SocketTransport, socket.socket, Pause]:
+    """A transport whose peer reads nothing yet (small buffers both ways), paused by
+    a pause of its own."""
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, TINY_BUFFER)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TINY_BUFFER)
+    transport = SocketTransport(ours)
+    transport.pause = Pause()
+    return transport, theirs, transport.pause
+
+
+async def test_a_pause_stops_a_stuck_send_owing_the_rest_which_goes_out_first_after() -> None:
+    transport, theirs, pause = stuck_pair()
+    reply = bytes(range(256)) * 1024
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(transport.send, reply)
+            await trio.testing.wait_all_tasks_blocked()
+            pause.request()  # the send returns, without a byte more going out
+    owed = len(transport.unsent)
+    assert 0 < owed < len(reply)
+    await transport.send(b"next reply")  # while paused, owed after the rest
+    assert len(transport.unsent) == owed + len(b"next reply")
+    pause.resume()
+    received = bytearray()
+
+    async def read_all_then_ask() -> None:
+        theirs.setblocking(False)
+        while len(received) < len(reply) + len(b"next reply"):
+            await trio.lowlevel.wait_readable(theirs)
+            received.extend(theirs.recv(65536))
+        theirs.send(b"next request\n")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_all_then_ask)
+        with trio.fail_after(5):  # a read sends what is owed first
+            assert await transport.receive() == b"next request\n"
+    assert received == reply + b"next reply"
+    assert not transport.unsent
+
+
+async def test_a_paused_send_owing_more_than_the_limit_ends_the_connection() -> None:
+    transport, _, pause = stuck_pair()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(transport.send, b"x" * 100_000)
+            await trio.testing.wait_all_tasks_blocked()
+            pause.request()
+    with pytest.raises(trio.BrokenResourceError):
+        for _ in range(UNSENT_LIMIT // 32768 + 1):
+            await transport.send(b"d" * 32768)  # the rest of a dump, made meanwhile
 
 
 async def test_a_stuck_client_does_not_stop_a_failed_hand_over_from_resuming(
