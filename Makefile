@@ -39,7 +39,8 @@ test: lint
 # The safety checker (tests/safety.py) for longer than `make test` runs it:
 # many clients in several processes, random SIGKILLs, every grant checked; against
 # one in-memory server, then against two cluster nodes over a 3-member etcd. Also a
-# vanished client host with default flags (its lock freed within --keepalive 30).
+# vanished client host with default flags (its lock freed within --keepalive 30), and
+# a vanished waiter's host whose grant went out during the cut (freed within 24 s + 1 s).
 # And the in-memory run with five hand-overs to a successor (docs/upgrade.md), which
 # clients must not notice, for HANDOVER_STRESS_SECONDS.
 STRESS_SECONDS ?= 60

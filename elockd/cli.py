@@ -6,9 +6,13 @@ Every setting can come from three places. Precedence: a flag beats the environme
 which beats the defaults. A value from any of them goes through the same type
 function as the flag, so ``ELOCKD_PORT=99999`` is refused like ``--port 99999``.
 
-Mistakes are one line that names the flag, variable or key and the value, with
-exit status 2 (bad usage) or 1 (the set-up failed at start, :mod:`elockd.startup`);
-never a traceback.
+Mistakes are one line that names the flag, variable or key and the value (cut to
+200 characters), with exit status 2, never a traceback: bad usage, a value the
+operating system would refuse later (``--keepalive 70000``), a file that cannot be
+read, and a set-up that fails at start (a port in use, :mod:`elockd.startup`) alike.
+Whatever else fails before the server listens is one line and exit 2 too
+(:func:`main`), so a hand-over successor refuses exactly what a fresh server does,
+before it takes anything over.
 """
 
 from __future__ import annotations
@@ -16,16 +20,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import os
+import reprlib
 import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import trio
 
 from elockd import __version__
+from elockd.bounds import (
+    MAX_COUNT,
+    MAX_KEEPALIVE,
+    MAX_LEASE_TTL,
+    MAX_PORT,
+    MAX_SECONDS,
+    check_host,
+    check_path,
+    check_text,
+    check_unix_path,
+)
 from elockd.config import Config
 from elockd.logs import (
     FORMATS,
@@ -33,13 +51,14 @@ from elockd.logs import (
     configure_logging,
     log_crash,
     log_setting_note,
-    log_start,
     log_startup_failure,
     log_stop,
 )
 from elockd.replies import STYLES
 from elockd.server import MAX_CLUSTER_KEYS, run_until_signal
-from elockd.startup import StartupError, find
+from elockd.startup import StartupError, find, one_line, shown
+
+log = logging.getLogger("elockd")
 
 ENV_PREFIX = "ELOCKD_"
 #: Settings that are not Config fields but may still be given: the deprecated alias.
@@ -55,55 +74,100 @@ class UsageError(Exception):
 # "argument --port: a port number 0-65535, not '99999'".
 
 
+def refused(expected: str, text: str) -> argparse.ArgumentTypeError:
+    """``a port number 0-65535, not '99999'``, the value cut to a readable length."""
+    return argparse.ArgumentTypeError(f"{expected}, not '{shown(text)}'")
+
+
 def _parse(text: str, kind: Callable[[str], Any], expected: str) -> Any:
     try:
         return kind(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{expected}, not {text!r}") from None
+    except ValueError:  # also: more digits than Python converts (4300)
+        raise refused(expected, text) from None
+
+
+def _whole(text: str, low: int, high: int, expected: str) -> int:
+    value: int = _parse(text, int, expected)
+    if value < low:
+        raise refused(expected, text)
+    if value > high:
+        raise refused(expected if str(high) in expected else f"{expected}, at most {high}", text)
+    return value
+
+
+def _seconds(text: str, low: float, high: float, above_low: bool, expected: str) -> float:
+    value: float = _parse(text, float, expected)
+    if not (low < value if above_low else low <= value) or value == float("inf"):
+        raise refused(expected, text)  # nan fails every comparison
+    if value > high:
+        raise refused(f"{expected}, at most {high:g}", text)
+    return value
 
 
 def port_number(text: str) -> int:
-    value: int = _parse(text, int, "a port number 0-65535")
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port number 0-65535, not {text!r}")
-    return value
+    return _whole(text, 0, MAX_PORT, f"a port number 0-{MAX_PORT}")
 
 
 def positive_int(text: str) -> int:
-    value: int = _parse(text, int, "a whole number, 1 or more")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a whole number, 1 or more, not {text!r}")
-    return value
+    return _whole(text, 1, MAX_COUNT, "a whole number, 1 or more")
 
 
 def non_negative_int(text: str) -> int:
-    value: int = _parse(text, int, "a whole number, 0 or more")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a whole number, 0 or more, not {text!r}")
-    return value
+    return _whole(text, 0, MAX_COUNT, "a whole number, 0 or more")
 
 
 def positive_float(text: str) -> float:
-    value: float = _parse(text, float, "a number of seconds above 0")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"a number of seconds above 0, not {text!r}")
-    return value
+    return _seconds(text, 0, MAX_SECONDS, True, "a number of seconds above 0")
 
 
 def non_negative_float(text: str) -> float:
-    value: float = _parse(text, float, "a number of seconds, 0 or more")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"a number of seconds, 0 or more, not {text!r}")
-    return value
+    return _seconds(text, 0, MAX_SECONDS, False, "a number of seconds, 0 or more")
+
+
+def keepalive_seconds(text: str) -> float:
+    """The bound is the kernel's (:data:`elockd.bounds.MAX_KEEPALIVE`): TCP_KEEPIDLE
+    is half of it, and Linux refuses more than 32767 s."""
+    return _seconds(text, 0, MAX_KEEPALIVE, False, "a number of seconds, 0 or more")
 
 
 def session_ttl(text: str) -> int:
     """etcd raises lease TTLs below its own minimum (about 1.5 election timeouts,
-    2 s at etcd's defaults) anyway; asking for less would only mislead."""
-    value: int = _parse(text, int, "a whole number of seconds, 2 or more")
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"a whole number of seconds, 2 or more, not {text!r}")
-    return value
+    2 s at etcd's defaults) anyway; asking for less would only mislead. Above
+    etcd's largest lease TTL a node could not start."""
+    return _whole(text, 2, MAX_LEASE_TTL, "a whole number of seconds, 2 or more")
+
+
+def file_mode(text: str) -> str:
+    """Octal permission digits (``0660``, ``660``, ``0o660``), as four digits."""
+    value: int = _parse(text.removeprefix("0o"), partial(int, base=8), "octal digits like 0660")
+    if not 0 <= value <= 0o777:
+        raise refused("octal digits from 0000 to 0777", text)
+    return f"{value:04o}"
+
+
+def _checked(check: Callable[[str], str], text: str) -> str:
+    try:
+        return check(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def plain_text(text: str) -> str:
+    """A string setting: no NUL (the C library would cut it there) and nothing that
+    is not Unicode (bytes the locale could not decode)."""
+    return _checked(partial(check_text, what="text"), text)
+
+
+def path_name(text: str) -> str:
+    return _checked(check_path, text)
+
+
+def host_name(text: str) -> str:
+    return _checked(check_host, text)
+
+
+def unix_path(text: str) -> str:
+    return _checked(check_unix_path, text)
 
 
 def etcd_endpoints(text: str) -> str:
@@ -113,8 +177,11 @@ def etcd_endpoints(text: str) -> str:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
+        _checked(partial(check_text, what="an etcd endpoint"), item)
         url = item if "://" in item else f"http://{item}"
         parts = urlsplit(url)
+        if parts.hostname:
+            _checked(check_host, parts.hostname)
         try:
             port = parts.port
         except ValueError:
@@ -128,7 +195,7 @@ def etcd_endpoints(text: str) -> str:
             or (port is None and "://" not in item)
         ):
             raise argparse.ArgumentTypeError(
-                f"{item!r} is not host:port or an http(s)://host:port URL"
+                f"'{shown(item)}' is not host:port or an http(s)://host:port URL"
             )
         urls.append(url.rstrip("/"))
     if not urls:
@@ -148,9 +215,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line (``elockd: argument --port: ...``), cut to
+    a readable length, rather than the usage and then the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"elockd: {one_line(message)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = Config()
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="elockd",
         usage="%(prog)s [--option VALUE]... (elockd --help lists them)",
         description="Network lock server: exclusive and counted shared locks owned by "
@@ -165,14 +240,34 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--config",
         metavar="FILE",
+        type=path_name,
         default=None,
         help="read settings from this TOML file (keys: option names with '_'); "
         "also ELOCKD_CONFIG",
     )
-    add("--host", default=defaults.host, help="address to listen on (127.0.0.1: local only)")
+    add(
+        "--host",
+        type=host_name,
+        default=defaults.host,
+        help="address to listen on (127.0.0.1: local only)",
+    )
     add("--port", type=port_number, default=defaults.port, help="TCP port (0: any free)")
-    add("--unix", metavar="PATH", default=None, help="also listen on this Unix socket")
-    add("--metrics-host", default=defaults.metrics_host, help="address of /metrics")
+    add(
+        "--unix",
+        metavar="PATH",
+        type=unix_path,
+        default=None,
+        help="also listen on this Unix socket (a live one there is refused, a stale one "
+        "replaced)",
+    )
+    add(
+        "--unix-mode",
+        metavar="OCTAL",
+        type=file_mode,
+        default=defaults.unix_mode,
+        help="permissions of the --unix socket, whatever the umask",
+    )
+    add("--metrics-host", type=host_name, default=defaults.metrics_host, help="address of /metrics")
     add(
         "--metrics-port",
         type=port_number,
@@ -281,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--keepalive",
-        type=non_negative_float,
+        type=keepalive_seconds,
         default=defaults.keepalive,
         metavar="SECONDS",
         help="notice a client host that vanished (no FIN, no RST) within this long "
@@ -297,14 +392,22 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--auth-token-file",
         metavar="FILE",
+        type=path_name,
         default=None,
         help="demand 'auth TOKEN' with this file's content as the first request",
     )
-    add("--tls-cert", metavar="PEM", default=None, help="serve the lock port over TLS")
-    add("--tls-key", metavar="PEM", default=None, help="private key of --tls-cert")
+    add(
+        "--tls-cert",
+        metavar="PEM",
+        type=path_name,
+        default=None,
+        help="serve the lock port over TLS",
+    )
+    add("--tls-key", metavar="PEM", type=path_name, default=None, help="private key of --tls-cert")
     add(
         "--tls-client-ca",
         metavar="PEM",
+        type=path_name,
         default=None,
         help="require client certificates signed by this CA (mutual TLS)",
     )
@@ -326,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--control-socket",
         metavar="PATH",
+        type=unix_path,
         default=None,
         help="wait on this Unix socket (mode 0600) for a successor to hand every "
         "connection and lock to (docs/upgrade.md)",
@@ -333,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--take-over",
         metavar="PATH",
+        type=unix_path,
         default=None,
         help="take every listener, connection and lock over from the elockd whose "
         "--control-socket is PATH, then serve them",
@@ -353,7 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(docs/cluster.md); host:port means http://host:port; default: in memory, "
         "this process only",
     )
-    add("--etcd-prefix", default=defaults.etcd_prefix, help="root of elockd's keys in etcd")
+    add(
+        "--etcd-prefix",
+        type=plain_text,
+        default=defaults.etcd_prefix,
+        help="root of elockd's keys in etcd",
+    )
     add(
         "--session-ttl",
         type=session_ttl,
@@ -408,7 +518,7 @@ def convert(action: argparse.Action, text: str, where: str) -> object:
         raise UsageError(f"{where}: {error}") from None
     if action.choices is not None and value not in action.choices:
         choices = ", ".join(map(str, action.choices))
-        raise UsageError(f"{where}: one of {choices}, not {text!r}")
+        raise UsageError(f"{where}: one of {choices}, not '{shown(text)}'")
     return value
 
 
@@ -419,54 +529,101 @@ def from_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> d
     return vars(parser.parse_args(argv))
 
 
+#: How much of a value the "where" of an error repeats (the reason shows more).
+WHERE_SHOWN = 40
+
+
 def from_environment(
     actions: Mapping[str, argparse.Action], environ: Mapping[str, str], notes: list[str]
 ) -> dict[str, Any]:
-    """Settings from ``ELOCKD_<NAME>`` variables; an empty one counts as unset."""
+    """Settings from ``ELOCKD_<NAME>`` variables; an empty one counts as unset, an
+    unknown one is a note with the nearest name (a typo must not pass unseen)."""
     settings: dict[str, Any] = {}
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX) or not text:
             continue
         dest = name[len(ENV_PREFIX) :].lower()
         if dest in actions:
-            settings[dest] = convert(actions[dest], text, f"{name}={text}")
+            settings[dest] = convert(actions[dest], text, f"{name}={shown(text, WHERE_SHOWN)}")
         elif dest != "config":
-            notes.append(f"{name} is not an elockd setting; ignored")
+            close = _nearest(dest, [*actions, "config"])
+            hint = f" (did you mean {ENV_PREFIX}{close.upper()}?)" if close else ""
+            notes.append(f"{shown(name, 60)} is not an elockd setting{hint}; ignored")
     return settings
 
 
-def toml_text(value: object) -> str | None:
-    """A TOML value as the text a flag would have been given; None for tables,
-    booleans and dates, which no setting takes."""
+def _nearest(name: str, names: list[str]) -> str | None:
+    """The setting ``name`` was probably meant to be (difflib, as argparse does)."""
+    if len(name) > 64:  # no setting is that long; and difflib is quadratic
+        return None
+    close = difflib.get_close_matches(name.replace("-", "_"), names, 1)
+    return close[0] if close else None
+
+
+#: Settings whose file value may be a TOML array of strings (joined with commas).
+LIST_KEYS = frozenset({"etcd"})
+#: Settings whose file value must be a TOML string (``unix_mode = "0660"``): a TOML
+#: integer cannot say octal (``660`` is decimal, and ``0o660`` is 432 once read).
+STRING_KEYS = frozenset({"unix_mode"})
+#: TOML values as the errors show them: short, and never recursing far.
+_toml_repr = reprlib.Repr()
+_toml_repr.maxstring = WHERE_SHOWN
+_toml_repr.maxother = WHERE_SHOWN
+_toml_repr.maxlevel = 2
+
+
+def toml_text(key: str, value: object) -> str | None:
+    """A TOML value as the text a flag would have been given; None for what no
+    setting takes: tables, booleans, dates, arrays (but for :data:`LIST_KEYS`)."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int | float | str):
-        return str(value)
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and key not in STRING_KEYS:
+        try:
+            return str(value)
+        except ValueError:  # an integer of more digits than Python converts
+            return None
+    if key in LIST_KEYS and isinstance(value, list) and all(isinstance(x, str) for x in value):
         return ",".join(value)  # etcd = ["host:2379", "host2:2379"]
     return None
 
 
-def from_file(path: str, actions: Mapping[str, argparse.Action]) -> dict[str, Any]:
-    """Settings from a TOML file; an unknown key is refused by name."""
+def read_toml(path: str) -> dict[str, Any]:
+    """The file's table; a UsageError naming the file for anything that keeps it
+    from being read as TOML, whatever raised it (a directory, bytes that are not
+    UTF-8, nesting deeper than the parser recurses, a file too large for memory)."""
+    where = f"--config {shown(path)}"
     try:
         with open(path, "rb") as file:
-            table = tomllib.load(file)
+            return tomllib.load(file)
     except OSError as error:
-        raise UsageError(f"--config {path}: {error.strerror or error}") from None
+        raise UsageError(f"{where}: {error.strerror or error}") from None
     except tomllib.TOMLDecodeError as error:
-        raise UsageError(f"--config {path}: not valid TOML ({error})") from None
+        raise UsageError(f"{where}: not valid TOML ({shown(error)})") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{where}: not UTF-8 text (byte {error.start})") from None
+    except RecursionError:
+        raise UsageError(f"{where}: not valid TOML (nested too deep)") from None
+    except (ValueError, MemoryError) as error:
+        raise UsageError(f"{where}: not valid TOML ({type(error).__name__})") from None
+
+
+def from_file(path: str, actions: Mapping[str, argparse.Action]) -> dict[str, Any]:
+    """Settings from a TOML file; an unknown key is refused by name."""
+    table = read_toml(path)
     settings: dict[str, Any] = {}
     for key, value in table.items():
-        where = f"--config {path}: {key}"
+        where = f"--config {shown(path)}: {shown(key, WHERE_SHOWN)}"
         if key not in actions:
-            close = difflib.get_close_matches(key.replace("-", "_"), list(actions), 1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise UsageError(f"--config {path}: unknown key {key!r}{hint}")
-        text = toml_text(value)
+            close = _nearest(key, list(actions))
+            hint = f" (did you mean {close}?)" if close else ""
+            raise UsageError(f"--config {shown(path)}: unknown key '{shown(key)}'{hint}")
+        text = toml_text(key, value)
         if text is None:
-            raise UsageError(f"{where}: a number or a string, not {value!r}")
-        settings[key] = convert(actions[key], text, f"{where} = {value!r}")
+            expected = "a string" if key in STRING_KEYS else "a number or a string"
+            raise UsageError(f"{where}: {expected}, not {_toml_repr.repr(value)}")
+        settings[key] = convert(actions[key], text, f"{where} = {_toml_repr.repr(value)}")
     return settings
 
 
@@ -492,7 +649,13 @@ def load_config(
     actions = setting_actions(parser)
     flags = from_flags(parser, argv)
     notes: list[str] = []
-    config_file = flags.pop("config", None) or environ.get(f"{ENV_PREFIX}CONFIG") or None
+    config_file = flags.pop("config", None)
+    if not config_file and environ.get(f"{ENV_PREFIX}CONFIG"):
+        config_file = environ[f"{ENV_PREFIX}CONFIG"]
+        try:
+            check_path(config_file)
+        except ValueError as error:
+            raise UsageError(f"{ENV_PREFIX}CONFIG: {error}") from None
     sources = [
         (from_file(config_file, actions) if config_file else {}, f"--config {config_file}"),
         (from_environment(actions, environ, notes), "the environment"),
@@ -510,6 +673,9 @@ def load_config(
 def check_combinations(config: Config) -> None:
     if (config.tls_key or config.tls_client_ca) and not config.tls_cert:
         raise UsageError("--tls-key and --tls-client-ca need --tls-cert")
+    if config.grace > config.max_ttl:
+        # set_timeout refuses more than --max-ttl; the default must not be more either.
+        raise UsageError(f"--grace {config.grace:g}: above --max-ttl {config.max_ttl:g}")
     if config.etcd and config.max_keys > MAX_CLUSTER_KEYS:
         # One mlock is one etcd txn: a put and a count per key, and etcd's default
         # --max-txn-ops is 128.
@@ -522,33 +688,57 @@ def check_combinations(config: Config) -> None:
 # ------------------------------------------------------------ main
 
 
-def fail_to_start(problem: str, config: Config) -> NoReturn:
-    """The one line of a start-up failure, then exit 1."""
-    if config.log_format == "json":
-        log_startup_failure(problem)
+def fail_to_start(problem: str, config: Config | None = None) -> NoReturn:
+    """The one line of a start-up failure (of any kind: the settings name something
+    this machine does not give, or cannot be read at all), then exit 2."""
+    if config is not None and config.log_format == "json":
+        log_startup_failure(one_line(problem))
     else:
-        print(f"elockd: {problem}", file=sys.stderr)
-    raise SystemExit(1)
+        print(f"elockd: {one_line(problem)}", file=sys.stderr)
+    raise SystemExit(2)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def innermost(error: BaseException) -> BaseException:
+    """The first exception that is not a group (trio wraps a nursery's in groups)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+def unexpected(error: BaseException) -> str:
+    """An exception nobody turned into words, as one line: its type and message."""
+    return f"{type(error).__name__}: {shown(error)}" if str(error) else type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     try:
-        config, notes = load_config(argv)
+        config, notes = load_config(argv, environ)
     except UsageError as error:
-        print(f"elockd: {error}", file=sys.stderr)
-        return 2
+        fail_to_start(str(error))
+    except Exception as error:  # whatever else the settings make fail: still one line
+        fail_to_start(f"cannot read the settings: {unexpected(error)}")
     configure_logging(config.log_level, config.log_format)
     for note in notes:
         log_setting_note(note)
-    log_start(config)
+    started = False
+
+    def now_started() -> None:
+        nonlocal started
+        started = True
+
     try:
-        trio.run(run_until_signal, config)
+        trio.run(run_until_signal, config, (), now_started)
     except KeyboardInterrupt:  # before the signal handlers were in place
         return 130
     except BaseException as error:
         problem = find(error, StartupError)
         if problem is not None:
             fail_to_start(str(problem), config)
+        if not started and isinstance(error, Exception):
+            # Before the server listens nothing is held yet, and the cause lies in the
+            # settings or the machine: one line like any other, the traceback at debug.
+            log.debug("start-up failed", exc_info=error)
+            fail_to_start(f"cannot start: {unexpected(innermost(error))}", config)
         if config.log_format != "json" or not isinstance(error, Exception):
             raise
         log_crash(error)  # a bug: its traceback, but as JSON like every other line

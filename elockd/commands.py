@@ -3,7 +3,8 @@
 Like Redis's command table, each entry says what the verb is and what it takes:
 its family (which decides how a refusal reads: ``0 …`` or ``4xx …``), for a word
 verb how many positional arguments and which ``name=value`` options, whether it may
-be asked before ``auth``, and its handler. The dispatcher
+be asked before ``auth``, whether it carries a secret that no log may show, and its
+handler. The dispatcher
 (:class:`elockd.protocol.Connection`) reads nothing else. The table is handed to the
 :class:`~elockd.protocol.Service`; no module imports it behind the caller's back.
 
@@ -37,7 +38,7 @@ TABLE: tuple[Command, ...] = (
     Command(b"lock", WORD, word.cmd_lock, arguments=2, options=word.TTL_OPTION),
     Command(b"unlock", WORD, word.cmd_unlock, arguments=1),
     Command(b"unlock_all", WORD, word.cmd_unlock_all),
-    Command(b"conn_id", WORD, word.cmd_conn_id, arguments=1),
+    Command(b"conn_id", WORD, word.cmd_conn_id, arguments=1, secret=True),
     Command(b"set_timeout", WORD, word.cmd_set_timeout, arguments=1),
     Command(b"stats", WORD, word.cmd_stats),
     Command(b"quit", WORD, word.cmd_quit),
@@ -49,7 +50,7 @@ TABLE: tuple[Command, ...] = (
     Command(b"token", WORD, word.cmd_token, arguments=1),
     Command(b"info", WORD, word.cmd_info, arguments=1),
     Command(b"ping", WORD, word.cmd_ping),
-    Command(b"auth", WORD, word.cmd_auth, needs_auth=False, raw=True),
+    Command(b"auth", WORD, word.cmd_auth, needs_auth=False, raw=True, secret=True),
 )
 
 #: The table by verb, as the dispatcher reads it.

@@ -15,6 +15,8 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 9999
     unix: str | None = None
+    # The Unix socket's file mode, in octal digits: set exactly, whatever the umask.
+    unix_mode: str = "0660"
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9998
     # HTTP connections (scrapers, health checks) at once, and how long one may idle.

@@ -1,4 +1,4 @@
-"""``elockctl``: probes, stats and ``elockctl lock KEY -- COMMAND`` from the shell.
+"""``elockctl``: probes, stats and ``elockctl lock KEY COMMAND`` from the shell.
 
 One-liners (``g r i sg sr si q``, ``stats``, ``info``, ``dump``) use the blocking
 client: a connection, one request, done. ``lock`` is :mod:`elockd.ctl_lock`, the
@@ -21,8 +21,17 @@ import trio
 from elockd.client import BlockingClient
 from elockd.client.core import printable, quoted, terse_answer
 from elockd.ctl_args import PROBE_VERBS, build_parser, client_options, parse
+from elockd.ctl_doors import hint
 from elockd.ctl_lock import run_locked
-from elockd.ctl_status import EXIT_FALSE, failure, say, where
+from elockd.ctl_status import (
+    EXIT_FALSE,
+    EXIT_INTERRUPTED,
+    chosen,
+    die_interrupted,
+    failure,
+    say,
+    where,
+)
 from elockd.ctl_upgrade import run_upgrade
 
 #: Probes that take a hold, which ends as soon as elockctl's connection does.
@@ -47,8 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FALSE
     except (Exception, KeyboardInterrupt, BaseExceptionGroup) as error:  # see failure()
         status, message = failure(error, where(options))
+        if status == EXIT_INTERRUPTED:
+            return die_interrupted()
         if message:
-            say(message)
+            say(message + hint(chosen(error), options, bool(args.tls_cert)))
         return status
 
 
@@ -98,7 +109,7 @@ def run_probe(client: BlockingClient, verb: str, key: str) -> int:
     if answer and verb in HOLDING_PROBES:
         say(
             f"the hold on {quoted(key.encode())} ended with this command's connection; "
-            "to hold a lock while something runs: elockctl lock KEY -- COMMAND"
+            "to hold a lock while something runs: elockctl lock KEY COMMAND"
         )
     return 0 if answer else EXIT_FALSE
 

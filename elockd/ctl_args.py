@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import ssl
 from importlib import metadata
 from typing import Any, NoReturn
@@ -17,6 +18,7 @@ from typing import Any, NoReturn
 from elockd.client.base import describe
 from elockd.client.core import encode_key, quoted
 from elockd.client.websocket import parse_url
+from elockd.ctl_argv import Scanner
 from elockd.ctl_status import EXIT_FALSE, EXIT_USAGE
 
 PROBE_VERBS = ("g", "r", "i", "sg", "sr", "si")
@@ -37,18 +39,21 @@ anything it took: 'i' and 'si' are the useful probes.
 """
 
 LOCK_EPILOG = """\
-flock(1) users: -w/--wait, -n/--nonblock, -c, -s/--shared and -E mean what they
-mean there; KEY is a key on the server instead of a file. Unlike flock, without -w
-elockctl does not wait: it tries once, as -n does.
+flock(1) users: -w/--wait, -n/--nonblock, -c, -s/--shared, -x/--exclusive, -E
+and --verbose mean what they mean there (shared and exclusive holders exclude each
+other; a lock not granted is silent); KEY is a key on the server instead of a file.
+Options end at COMMAND: 'elockctl lock K cmd -s' runs 'cmd -s'. Unlike flock,
+without -w elockctl does not wait: it tries once, as -n does.
 
 exit status:
   COMMAND's own     (128+N if a signal N killed it)
   1                 the lock was not granted at once (-n) or within -w/--wait
-                    (change it with -E/--conflict-exit-code)
+                    (change it with -E/--conflict-exit-code; silent, as flock)
   2                 usage error (e.g. a KEY with a blank: keys are one word)
   3                 could not tell: the server cannot be reached, wants a token
                     (--auth-token-file) or refused it, sent something that is not
-                    an elockd reply, or went away before the lock was granted
+                    an elockd reply ('Backend Unavailable' included), or went
+                    away before the lock was granted
   75                the lock was lost while COMMAND ran (COMMAND is then sent
                     SIGTERM, and SIGKILL after --kill-after seconds)
   126, 127          COMMAND cannot run, is not found
@@ -195,7 +200,7 @@ def build_parser() -> Parser:
         "elockctl) and wait until it serves every connection and lock of the elockd "
         "whose --control-socket is PATH. Exit 0 when it does; 3 when it did not (the "
         "old one then serves on). See docs/upgrade.md.",
-        usage="elockctl upgrade PATH [--wait S] -- [ELOCKD FLAGS...]",
+        usage="elockctl upgrade PATH [--wait S] [--log-file FILE] -- [ELOCKD FLAGS...]",
     )
     upgrade.add_argument("control", metavar="PATH", help="the old elockd's --control-socket")
     upgrade.add_argument(
@@ -204,6 +209,12 @@ def build_parser() -> Parser:
         default=60.0,
         metavar="S",
         help="seconds the new elockd has to take over (default: 60)",
+    )
+    upgrade.add_argument(
+        "--log-file",
+        metavar="FILE",
+        help="append the new elockd's log here (default: the journal; it never "
+        "keeps this command's stdout or stderr)",
     )
     upgrade.add_argument("argv", nargs="*", metavar="-- FLAGS", help="the new elockd's flags")
     parser.commands = dict(commands.choices)
@@ -215,8 +226,8 @@ def add_lock_parser(commands: Any) -> None:
         "lock",
         help="run COMMAND while holding KEY (like flock(1))",
         description="Take KEY, run COMMAND, release KEY when it ends.",
-        usage="elockctl lock KEY [options] -- COMMAND [ARGS...]\n"
-        "       elockctl lock KEY [options] -c 'SHELL COMMAND'",
+        usage="elockctl lock [options] KEY [options] [--] COMMAND [ARGS...]\n"
+        "       elockctl lock [options] KEY [options] -c 'SHELL COMMAND'",
         epilog=LOCK_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -233,6 +244,7 @@ def add_lock_parser(commands: Any) -> None:
     )
     waiting.add_argument(
         "-n",
+        "--nb",
         "--nonblock",
         action="store_true",
         help="do not wait: fail at once if KEY is held, as flock -n (the default)",
@@ -242,10 +254,24 @@ def add_lock_parser(commands: Any) -> None:
         "--command",
         dest="shell",
         metavar="'SHELL COMMAND'",
-        help="run this with 'sh -c', as flock -c, instead of -- COMMAND ARGS",
+        help="run this with '$SHELL -c' ('/bin/sh -c' without $SHELL), as flock -c, "
+        "instead of COMMAND ARGS",
     )
     add("--ttl", type=positive_seconds, metavar="S", help="hold it as a lease of S seconds")
-    add("-s", "--shared", action="store_true", help="take a shared hold (as flock -s)")
+    add(
+        "-s",
+        "--shared",
+        action="store_true",
+        help="take a shared hold, as flock -s (the last of -s and -x counts)",
+    )
+    add(
+        "-x",
+        "-e",
+        "--exclusive",
+        dest="shared",
+        action="store_false",
+        help="take an exclusive hold, as flock -x (the default)",
+    )
     add("--limit", type=holders, metavar="N", help="with --shared: at most N holders")
     add(
         "-E",
@@ -256,35 +282,40 @@ def add_lock_parser(commands: Any) -> None:
         help="exit status when the lock is not granted, as flock -E (default: 1)",
     )
     add(
+        "--verbose",
+        action="store_true",
+        help="say how long getting the lock took, or why it was not granted, as flock "
+        "--verbose (without it a lock not granted is silent, as in flock)",
+    )
+    add(
         "--kill-after",
         type=seconds,
         default=5.0,
         metavar="S",
         help="after a lost lock, SIGKILL COMMAND if SIGTERM did not end it (default: 5)",
     )
-    add("argv", nargs="*", metavar="-- COMMAND ARGS", help="what to run")
+    add(
+        "argv",
+        nargs="*",
+        metavar="COMMAND ARGS",
+        help="what to run; options end at COMMAND, whose own options are its own "
+        "(as in flock: 'elockctl lock K cmd -s' runs 'cmd -s'); '--' before it also works",
+    )
 
 
 def parse(parser: Parser, raw: list[str]) -> argparse.Namespace:
     """Parse and check the command line; any mistake exits 2 with one line.
 
-    ``lock``'s COMMAND is cut off at the first ``--`` first, so that lock options may
-    come after KEY (``elockctl lock KEY --wait 5 -- COMMAND``).
+    :mod:`elockd.ctl_argv` first finds where the options end (``lock``'s COMMAND,
+    ``upgrade``'s flags after ``--``) and puts global options first wherever they
+    stood; argparse then reads the rest.
     """
-    command: list[str] | None = None
-    for verb in ("lock", "upgrade"):
-        if verb in raw and "--" in raw and raw.index(verb) < raw.index("--"):
-            cut = raw.index("--")
-            args = parser.parse_args(raw[:cut])
-            if args.command == verb:
-                command = raw[cut + 1 :]
-            break
-    if command is None:
-        args = parser.parse_args(raw)
-    elif args.command == "upgrade":
-        args.argv = [*args.argv, *command]
-    if args.command == "lock":
-        check_lock_args(parser.commands["lock"], args, command)
+    arranged = Scanner(parser, parser.commands).arrange(raw)
+    args = parser.parse_args(arranged.words)
+    if args.command == "upgrade":
+        args.argv = [*args.argv, *(arranged.tail or [])]
+    elif args.command == "lock":
+        check_lock_args(parser.commands["lock"], args, arranged.tail or [])
     elif args.command == "info":
         check_key(parser.commands["info"], args.key)
     elif args.command in PROBE_VERBS and any(c in word for word in args.key for c in "\r\n"):
@@ -292,20 +323,23 @@ def parse(parser: Parser, raw: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_lock_args(lock: Parser, args: argparse.Namespace, command: list[str] | None) -> None:
-    if command is not None:
-        if args.argv:
-            lock.error(f"unexpected arguments before '--': {' '.join(args.argv)}")
-        args.argv = command
+def check_lock_args(lock: Parser, args: argparse.Namespace, command: list[str]) -> None:
+    args.argv = command
     if args.shell is not None:
         if args.argv:
-            lock.error("give COMMAND after '--' or -c 'SHELL COMMAND', not both")
-        args.argv = ["sh", "-c", args.shell]
+            lock.error(
+                f"give COMMAND or -c 'SHELL COMMAND', not both (found {quoted_words(command)})"
+            )
+        args.argv = [os.environ.get("SHELL") or "/bin/sh", "-c", args.shell]  # as flock
     if not args.argv:
-        lock.error("missing COMMAND (elockctl lock KEY -- COMMAND ARGS, or -c 'COMMAND')")
+        lock.error("missing COMMAND (elockctl lock KEY COMMAND ARGS, or -c 'COMMAND')")
     if args.limit is not None and not args.shared:
         lock.error("--limit needs --shared")
     check_key(lock, args.key)
+
+
+def quoted_words(words: list[str]) -> str:
+    return " ".join(shlex.quote(word) for word in words)
 
 
 def check_key(parser: Parser, key: str) -> None:

@@ -1,4 +1,4 @@
-"""``elockctl lock KEY -- COMMAND``: hold a lock for exactly as long as COMMAND runs.
+"""``elockctl lock KEY COMMAND``: hold a lock for exactly as long as COMMAND runs.
 
 It uses the trio client, because it has to do four things at once: keep the lock
 (and renew its lease), wait for COMMAND, forward signals to it, and end it if the
@@ -11,11 +11,13 @@ import argparse
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import trio
 
+from elockd import ctl_rwlock
 from elockd.client import (
     Client,
     ConnectionLost,
@@ -25,6 +27,7 @@ from elockd.client import (
     ProtocolError,
     Unavailable,
 )
+from elockd.ctl_doors import hint
 from elockd.ctl_status import EXIT_LOST, failure, say, where
 
 #: Signals elockctl catches while COMMAND runs (so that they do not end it and its
@@ -50,23 +53,25 @@ async def run_locked(args: argparse.Namespace, options: dict[str, Any]) -> int:
     def on_lost(hold: Hold) -> None:
         lost.set()
 
+    started = time.monotonic()
     async with Client(**options) as client:
         try:
-            if args.shared:
-                hold = await client.acquire_shared(
-                    args.key, args.limit, args.wait, args.ttl, on_lost
-                )
-            else:
-                hold = await client.acquire(args.key, args.wait, args.ttl, on_lost)
-        except Unavailable as error:
-            say(f"{error}")
+            hold = await ctl_rwlock.take(client, args, options, on_lost)
+        except Unavailable:
+            # Silent, as flock: a guard that skips a run because another runs is
+            # no error to mail home from cron. --verbose says it in flock's words.
+            if args.verbose:
+                say("timeout while waiting to get lock" if args.wait else "failed to get lock")
             return int(args.conflict_exit_code)
         except ElockError as error:  # said here, not from inside a nursery's group
             status, message = failure(error, where(options))
             if isinstance(error, ConnectionLost) and not isinstance(error, ProtocolError):
                 message += ", before the lock was granted"
-            say(message)
+            say(message + hint(error, options, bool(args.tls_cert)))
             return status
+        if args.verbose:  # on stdout, as flock prints these
+            print(f"elockctl: getting lock took {time.monotonic() - started:.6f} seconds")
+            print(f"elockctl: executing {args.argv[0]}", flush=True)
         status = await run_command(args.argv, lost, args.kill_after)
         try:
             await client.release(hold)

@@ -8,6 +8,7 @@ lock`` adds COMMAND's own status and 75 for a lock lost while COMMAND ran.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -27,6 +28,15 @@ def say(message: str) -> None:
     print(f"elockctl: {message}", file=sys.stderr, flush=True)
 
 
+def die_interrupted() -> int:
+    """End as a SIGINT ends a process, as flock does when Ctrl-C stops its wait: a
+    shell loop around elockctl then stops too (it reads a signal death, not 130).
+    Returns 130 only if the signal somehow did not end the process."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    return EXIT_INTERRUPTED
+
+
 def where(options: dict[str, Any]) -> str:
     """The server as messages name it: ``HOST:PORT``, ``unix:PATH`` or the URL."""
     if options.get("url"):
@@ -41,10 +51,9 @@ def failure(error: BaseException, server: str) -> tuple[int, str]:
     the group is opened and the error that says most is reported (the first from
     the lock service, else the first one).
     """
-    leaves = list(leaf_errors(error))
-    if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+    if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaf_errors(error)):
         return EXIT_INTERRUPTED, ""
-    error = next((leaf for leaf in leaves if isinstance(leaf, ElockError)), leaves[0])
+    error = chosen(error)
     text = str(error)
     line = text if server in text else f"{server}: {text}"
     if isinstance(error, AuthError):
@@ -52,7 +61,7 @@ def failure(error: BaseException, server: str) -> tuple[int, str]:
             return EXIT_ERROR, f"{line} (the token of --auth-token-file was refused)"
         return EXIT_ERROR, f"{line} (the server wants a token: --auth-token-file FILE)"
     if isinstance(error, ProtocolError):
-        return EXIT_ERROR, f"{line} (is it an elockd port?)"
+        return EXIT_ERROR, line  # what port it is instead: ctl_doors.hint
     if isinstance(error, LockLost):
         return EXIT_LOST, line
     if isinstance(error, RequestError) and (
@@ -62,6 +71,12 @@ def failure(error: BaseException, server: str) -> tuple[int, str]:
     if isinstance(error, ElockError):
         return EXIT_ERROR, line
     return EXIT_ERROR, f"{server}: unexpected {type(error).__name__}: {text}"
+
+
+def chosen(error: BaseException) -> BaseException:
+    """The error that says most: the first from the lock service, else the first."""
+    leaves = leaf_errors(error)
+    return next((leaf for leaf in leaves if isinstance(leaf, ElockError)), leaves[0])
 
 
 def leaf_errors(error: BaseException) -> Sequence[BaseException]:

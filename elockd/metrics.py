@@ -40,7 +40,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from elockd import __version__
-from elockd.http import listen_tcp, serve_http
+from elockd.http import Tune, listen_tcp, serve_http
 from elockd.protocol import Service
 from elockd.serving import ConnectionSlots
 from elockd.stats import Buckets
@@ -59,8 +59,7 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-HttpApp = Callable[[Scope, Receive, Send, Callable[[], None]], Awaitable[None]]
-SessionStarter = Callable[[Scope, Receive, Send, Callable[[], None]], Awaitable[None]]
+HttpApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class ElockdCollector(Collector):
@@ -249,17 +248,16 @@ class Exposition:
         return body, content_type
 
 
-def make_app(exposition: Exposition, sessions: SessionStarter | None = None) -> HttpApp:
-    """``/metrics`` (the cached exposition), ``/healthz``, 404 elsewhere, and with
-    ``sessions`` a WebSocket upgrade on ``/`` (:mod:`elockd.websocket`)."""
+def make_app(exposition: Exposition) -> HttpApp:
+    """``/metrics`` (the cached exposition), ``/healthz``, 404 elsewhere. WebSocket
+    sessions never get here (:mod:`elockd.http` hands a connection's first request
+    to :mod:`elockd.websocket` when it is an upgrade); an upgrade asked later on a
+    kept-alive connection is refused (403)."""
 
-    async def app(scope: Scope, receive: Receive, send: Send, upgraded: Callable[[], None]) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
-            if sessions is None or scope["path"] != "/":
-                await receive()  # websocket.connect
-                await send({"type": "websocket.close", "code": 1008})  # before accept: 403
-            else:
-                await sessions(scope, receive, send, upgraded)
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008})  # before accept: 403
             return
         if scope["type"] != "http":
             return
@@ -305,6 +303,7 @@ async def serve_metrics(
     slots: ConnectionSlots | None = None,
     *,
     sock: socket.socket | None = None,
+    tune: Tune | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the HTTP port on ``host:port`` until cancelled: ``/metrics`` and
@@ -315,28 +314,24 @@ async def serve_metrics(
 
     ``port`` 0 takes any free port; ``task_status`` reports the bound address.
     ``sock``: a listening socket to serve instead (handed over by a predecessor).
+    ``tune``: applied to every accepted socket (the lock port's keepalive).
     """
     config = service.config
     if sock is None:
         sock = listen_tcp(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     exposition = Exposition(make_registry(service), max_age=config.metrics_cache)
-    sessions = None if slots is None else partial(serve_websocket, service, slots)
+    upgrade = None if slots is None else partial(serve_websocket, service, slots)
     try:
         task_status.started((bound_host, bound_port))
         await serve_http(
-            make_app(exposition, sessions),
+            make_app(exposition),
             sock,
             max_connections=config.metrics_max_connections,
             idle_timeout=config.metrics_idle_timeout,
-            max_message=websocket_message_limit(config.max_line),
+            send_timeout=config.send_timeout,
+            upgrade=upgrade,
+            tune=tune,
         )
     finally:
         sock.close()
-
-
-def websocket_message_limit(max_line: int) -> int:
-    """The largest WebSocket message taken in: enough for a request well over
-    ``--max-line`` (it gets ``0 Line Too Long``, and the session goes on); a larger
-    one closes the session (1009), so a message costs at most this much memory."""
-    return max(1 << 20, 4 * max_line)

@@ -187,6 +187,7 @@ class Command:
         "needs_auth",
         "options",
         "raw",
+        "secret",
         "verb",
     )
 
@@ -200,9 +201,11 @@ class Command:
         options: frozenset[bytes] = frozenset(),
         needs_auth: bool = True,
         raw: bool = False,
+        secret: bool = False,
     ) -> None:
         """``raw``: a word verb whose handler takes the rest of the line as it is
-        (``auth``: a token may hold blanks)."""
+        (``auth``: a token may hold blanks). ``secret``: its arguments or its reply
+        carry a bearer secret (a token, a session id), which no log may show."""
         self.verb = verb
         self.family = family
         self.handler = handler
@@ -210,6 +213,7 @@ class Command:
         self.options = options
         self.needs_auth = needs_auth
         self.raw = raw
+        self.secret = secret
         # What the dispatcher calls: the handler itself when it takes the rest of
         # the line (the terse family: the hot path pays no extra call), else one
         # that splits the arguments first.
@@ -297,9 +301,18 @@ class Connection:
         "session",
     )
 
-    def __init__(self, service: Service, peer: bytes, session: Session | None = None) -> None:
+    def __init__(
+        self,
+        service: Service,
+        peer: bytes,
+        session: Session | None = None,
+        *,
+        counted: bool = False,
+    ) -> None:
         """``session``: an existing one this connection serves on (a hand-over's
-        successor); else a new session is opened."""
+        successor); else a new session is opened. ``counted``: the accept loop counted
+        the connection in ``connections`` already (it counts at accept, so that the
+        count never lags behind connections the server has taken)."""
         self.service = service
         self.backend = service.backend
         self.replies = service.replies
@@ -316,7 +329,8 @@ class Connection:
             service.commands if service.auth_token is None else service.unauthenticated_commands
         )
         service.connections.add(self)
-        service.counters.connections += 1
+        if not counted:
+            service.counters.connections += 1
 
     def handle(self, line: bytes | None, now: float) -> Reply:
         """Answer one request line (None stands for an over-long line).

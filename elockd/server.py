@@ -29,12 +29,13 @@ from functools import partial
 
 import trio
 
+from elockd import accepting
+from elockd.accepting import accept_pause
 from elockd.backend import Backend
 from elockd.commands import COMMANDS
 from elockd.config import Config
 from elockd.handover.exchange import Giver, Listeners, TakenOver, open_control_socket, take_over
-from elockd.logs import log_refusal, log_session_end
-from elockd.logthrottle import LogThrottle
+from elockd.logs import log_refusal, log_session_end, log_start, log_tls_failure
 from elockd.memory import MemoryBackend
 from elockd.metrics import serve_metrics
 from elockd.notify import sd_notify
@@ -46,10 +47,12 @@ from elockd.startup import (
     StartupError,
     blame_address,
     blame_file,
+    shown,
 )
+from elockd.tcp_silence import keepalive_bound, keepalive_settings, set_user_timeout
 from elockd.tracing import trace_requests
 from elockd.transport import Closer, SocketTransport, StreamTransport
-from elockd.unix_socket import open_unix_socket
+from elockd.unix_socket import OwnedPath, UnixPeers, open_unix_socket
 
 log = logging.getLogger("elockd")
 
@@ -111,17 +114,6 @@ def open_tcp_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-def keepalive_settings(seconds: float) -> tuple[int, int, int]:
-    """TCP_KEEPIDLE, TCP_KEEPINTVL and TCP_KEEPCNT that notice a vanished peer well
-    within ``seconds``: half of it idle, then probes a tenth of it apart until 80%
-    of it has passed (30 s: idle 15 s, then 3 probes 3 s apart: dead at 24 s). The
-    kernel counts whole seconds, so very small values round up to 1 s steps."""
-    idle = max(1, int(seconds * 0.5))
-    interval = max(1, int(seconds * 0.1))
-    count = max(1, int((seconds * 0.8 - idle) // interval))
-    return idle, interval, count
-
-
 def tune_accepted(sock: socket.socket, keepalive: float = 0.0) -> None:
     """No Nagle delay, and TCP keepalive so that a client host that vanished (power
     cut, cable pulled: no FIN, no RST ever comes) is noticed within ``keepalive``
@@ -139,17 +131,7 @@ def tune_accepted(sock: socket.socket, keepalive: float = 0.0) -> None:
         # With keepalive on, Linux closes at the first probe after this much silence
         # (it overrides the probe count), so it is the same bound, not the whole of
         # ``keepalive``: a probe a second late would otherwise pass it.
-        dead_after = idle + interval * count
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, dead_after * 1000)
-
-
-#: accept() errors that mean "the system is out of a resource now", not "this
-#: listener is broken": trio.serve_listeners' own set. The loop pauses and goes on.
-ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-#: How long the accept loop pauses after one of those (trio's serve_listeners too).
-ACCEPT_PAUSE = 0.1
-#: One line per 10 s, with a count, however often accept() fails.
-accept_warning = LogThrottle(log, logging.WARNING)
+        set_user_timeout(sock, keepalive_bound(keepalive))
 
 
 class SpareDescriptor:
@@ -207,17 +189,30 @@ async def accept_loop(
     slots: ConnectionSlots | None = None,
     spare: SpareDescriptor | None = None,
     closer: Closer | None = None,
+    unix_peers: UnixPeers | None = None,
 ) -> None:
     """Accept every pending connection, one task each; refuse those over the limit.
     Listeners that share a limit share ``slots`` (and the ``spare`` descriptor).
 
-    No resource error ends the loop (that would end the server and free every
-    lock): out of descriptors, the connection is still accepted on the spare and
-    told ``0 Too Many Connections``; out of memory or buffers, the loop pauses."""
+    No error of accept() ends the loop (that would end the server and free every
+    lock, :mod:`elockd.accepting`): an error of the one connection is skipped; out
+    of descriptors, the connection is still accepted on the spare and told ``0 Too
+    Many Connections``; anything else pauses the loop.
+
+    A connection counts in ``connections`` (``q``, ``stats``, /metrics) from the
+    moment it is accepted, not from when its task first runs: a client that connects
+    and then asks ``q`` on another connection sees it counted. Unix peers are named
+    ``unix:1``, ``unix:2``... (``unix_peers``), as glockd names them."""
     if slots is None:
         slots = ConnectionSlots(service.config.max_connections)
+    if unix_peers is None:
+        unix_peers = UnixPeers()
     send_timeout = service.config.send_timeout
     keepalive = service.config.keepalive
+    counters = service.counters
+    unix = listener.family == socket.AF_UNIX
+    # Late replies lower TCP_USER_TIMEOUT to what is left of this (elockd/tcp_silence.py).
+    bound = keepalive_bound(keepalive)
     while True:
         await trio.lowlevel.wait_readable(listener)
         while True:
@@ -226,39 +221,39 @@ async def accept_loop(
             except BlockingIOError:
                 break
             except OSError as error:
-                if error.errno in (errno.ECONNABORTED, errno.EPROTO):
-                    continue
-                if error.errno not in ACCEPT_CAPACITY_ERRNOS:
-                    raise
                 out_of_files = error.errno in (errno.EMFILE, errno.ENFILE)
                 if out_of_files and spare is not None and spare.refuse_one(listener):
-                    accept_warning(
+                    accepting.accept_warning(
                         "accept: out of file descriptors (%s); connections over the "
                         "limit are refused with '0 Too Many Connections'",
-                        os.strerror(error.errno),
+                        os.strerror(error.errno or 0),
                     )
                     continue
-                accept_warning(
-                    "accept: %s (%s); pausing %.1f s",
-                    errno.errorcode[error.errno],
-                    os.strerror(error.errno),
-                    ACCEPT_PAUSE,
-                )
-                await trio.sleep(ACCEPT_PAUSE)
-                break
+                pause = accept_pause(error, "accept")
+                if pause:
+                    await trio.sleep(pause)
+                    break
+                continue
             if slots.used >= slots.limit:
                 log_refusal("--max-connections")
                 refuse(sock)
                 continue
+            try:
+                tune_accepted(sock, keepalive)
+                peer = unix_peers.name(sock) if unix else peer_name(address)
+            except OSError as error:  # the peer is already gone: its error, not ours
+                sock.close()
+                accept_pause(error, "accept")
+                continue
             slots.used += 1
-            tune_accepted(sock, keepalive)
+            counters.connections += 1
             if tls is None:
-                transport = SocketTransport(sock, send_timeout, closer)
+                transport = SocketTransport(sock, send_timeout, closer, bound)
                 nursery.start_soon(
-                    slots.run, serve_connection, service, transport, peer_name(address)
+                    slots.run, serve_connection, service, transport, peer, None, True
                 )
             else:
-                nursery.start_soon(slots.run, serve_tls, service, sock, tls, peer_name(address))
+                nursery.start_soon(slots.run, serve_tls, service, sock, tls, peer)
 
 
 def refuse(sock: socket.socket) -> None:
@@ -269,9 +264,13 @@ def refuse(sock: socket.socket) -> None:
     sock.close()
 
 
-async def serve_stream(service: Service, stream: trio.abc.Stream, peer: bytes) -> None:
-    """Serve a connection given as a trio Stream (TLS, tests)."""
-    await serve_connection(service, StreamTransport(stream, service.config.send_timeout), peer)
+async def serve_stream(
+    service: Service, stream: trio.abc.Stream, peer: bytes, *, counted: bool = False
+) -> None:
+    """Serve a connection given as a trio Stream (TLS, tests); ``counted``: the accept
+    loop counted it already."""
+    transport = StreamTransport(stream, service.config.send_timeout)
+    await serve_connection(service, transport, peer, counted=counted)
 
 
 async def serve_tls(
@@ -287,10 +286,11 @@ async def serve_tls(
             await stream.do_handshake()
             handshaken = True
         except trio.BrokenResourceError as error:
-            log.info("TLS handshake with %s failed: %s", peer.decode(), error.__cause__ or error)
+            log_tls_failure(peer, error.__cause__ or error)
     if handshaken:  # outside the timeout: it bounds the handshake, not the session
-        await serve_stream(service, stream, peer)
+        await serve_stream(service, stream, peer, counted=True)
     else:
+        service.counters.connections -= 1  # counted at accept; no session came of it
         await trio.aclose_forcefully(stream)
 
 
@@ -306,8 +306,13 @@ def tls_context(config: Config) -> ssl.SSLContext | None:
     }
     for flag, path in files.items():
         if path:  # OpenSSL's own errors do not say which file is missing
-            with blame_file(flag, path), open(path, "rb"):
-                pass
+            with blame_file(flag, path), open(path, "rb") as file:
+                content = file.read()
+            if flag == "--tls-cert" and not config.tls_key and b"PRIVATE KEY-----" not in content:
+                # The key may share the certificate's file; else OpenSSL says "PEM lib".
+                raise StartupError(
+                    f"--tls-cert {shown(path)}: needs --tls-key (no private key in this file)"
+                )
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     pair = config.tls_cert + (f" / --tls-key {config.tls_key}" if config.tls_key else "")
     with blame_file("--tls-cert", pair, "not a PEM certificate with its private key"):
@@ -425,23 +430,38 @@ class Work:
 
 
 def open_listeners(config: Config, tls: ssl.SSLContext | None) -> Listeners:
-    """The lock port (every address of ``--host``), ``--unix`` and the control
-    socket, bound and listening; a failure names its flag."""
+    """The lock port (every address of ``--host``), ``--unix`` (mode ``--unix-mode``,
+    whatever the umask) and the control socket, bound and listening; a failure
+    names its flag, and leaves nothing bound behind."""
     with blame_address("--host", config.host, "--port", config.port, LOCK_PORT_HINT):
         tcp = open_tcp_sockets(config.host, config.port)
     listeners = Listeners(lock=[(sock, "tls" if tls else "tcp") for sock in tcp])
     try:
         if config.unix:
             with blame_file("--unix", config.unix):
-                listeners.lock.append((open_unix_socket(config.unix, LISTEN_BACKLOG), "unix"))
+                mode = int(config.unix_mode, 8)
+                sock = open_unix_socket(config.unix, LISTEN_BACKLOG, mode)
+            listeners.lock.append((sock, "unix"))
         if config.control_socket:
             with blame_file("--control-socket", config.control_socket):
                 listeners.control = open_control_socket(config.control_socket)
     except StartupError:
+        for path in unix_paths(listeners):
+            path.unlink()
         for sock, _ in listeners.lock:
             sock.close()
         raise
     return listeners
+
+
+def unix_paths(listeners: Listeners) -> list[OwnedPath]:
+    """The socket files of the Unix listeners (``--unix``, the control socket) as
+    they are now: this server's to unlink at exit, while they stay what it bound."""
+    socks = [sock for sock, kind in listeners.lock if kind == "unix"]
+    if listeners.control is not None:
+        socks.append(listeners.control)
+    names = [sock.getsockname() for sock in socks if sock.family == socket.AF_UNIX]
+    return [OwnedPath(name) for name in names if isinstance(name, str) and name]
 
 
 async def serve(
@@ -465,6 +485,10 @@ async def serve(
         listeners = taken.listeners
     else:
         listeners = open_listeners(config, tls)
+    owned = unix_paths(listeners)
+    unix_peers = UnixPeers()
+    if taken is not None:  # new Unix peers are numbered on after the ones taken over
+        unix_peers.skip_past(parked.peer for parked in taken.connections)
     addresses: list[tuple[str, int] | str] = [sock.getsockname() for sock, _ in listeners.lock]
     files = raise_open_file_limit()
     if files < config.max_connections + 64:
@@ -497,10 +521,12 @@ async def serve(
                         slots,
                         spare,
                         closer,
+                        unix_peers,
                     )
 
             work = Work(start_work)
             nursery.start_soon(work.run)
+            http_address: str | None = None
             # Taking over, the HTTP port is the predecessor's (or none, as it had).
             if listeners.http is not None if taken is not None else config.metrics_port:
                 # In this nursery, so the scrape reads the tables in this trio run.
@@ -512,15 +538,17 @@ async def serve(
                     METRICS_PORT_HINT,
                 ):
                     host, port = await nursery.start(
-                        partial(serve_metrics, sock=listeners.http),
+                        partial(
+                            serve_metrics,
+                            sock=listeners.http,
+                            tune=partial(tune_accepted, keepalive=config.keepalive),
+                        ),
                         service,
                         config.metrics_host,
                         config.metrics_port,
                         slots,
                     )
-                log.info("elockd metrics on http://%s/metrics", describe((host, port)))
-                if not tls:
-                    log.info("elockd WebSocket sessions on ws://%s/", describe((host, port)))
+                http_address = describe((host, port))
             if taken is not None:
                 for parked in taken.connections:
                     slots.used += 1
@@ -531,6 +559,12 @@ async def serve(
                 await taken.finish()
             else:
                 sd_notify("READY=1")
+            # Only now, when nothing can fail any more: a start-up failure is one line.
+            log_start(config)
+            if http_address is not None:
+                log.info("elockd metrics on http://%s/metrics", http_address)
+                if not tls:
+                    log.info("elockd WebSocket sessions on ws://%s/", http_address)
             log.info("elockd listening on %s", ", ".join(describe(a) for a in addresses))
             task_status.started(addresses)
             if listeners.control is not None:
@@ -547,11 +581,9 @@ async def serve(
         for other in (listeners.http, listeners.control):
             if other is not None:
                 other.close()
-        if not handed_over:  # the successor listens at these paths now
-            for path in (config.unix, config.control_socket):
-                if path:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+        if not handed_over:  # else the successor listens at these paths now
+            for path in owned:
+                path.unlink()  # only if it still is the socket this server bound
 
 
 def describe(address: tuple[str, int] | str) -> str:
@@ -579,9 +611,12 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-async def run_until_signal(config: Config, signals: Sequence[int] = ()) -> None:
+async def run_until_signal(
+    config: Config, signals: Sequence[int] = (), started: Callable[[], None] | None = None
+) -> None:
     """Serve until SIGINT or SIGTERM, then shut down cleanly. The signals are obeyed
-    from the first moment, also while start-up waits (for etcd)."""
+    from the first moment, also while start-up waits (for etcd). ``started`` is
+    called once every listener is open."""
     tune_garbage_collector()
     wanted = signals or (signal.SIGINT, signal.SIGTERM)
     with trio.open_signal_receiver(*wanted) as received:
@@ -601,3 +636,5 @@ async def run_until_signal(config: Config, signals: Sequence[int] = ()) -> None:
 
             nursery.start_soon(stop_at_signal)
             await nursery.start(serve_until_done)
+            if started is not None:
+                started()

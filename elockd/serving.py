@@ -13,6 +13,7 @@ run it over a :class:`~elockd.transport.Transport`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -21,6 +22,7 @@ from elockd.framing import LineReader
 from elockd.logs import log_connection_close, log_connection_open
 from elockd.pause import Backlog, HandedOver, Interrupted, Parked
 from elockd.protocol import Connection, Delayed, Outcome, Reply, Service, Streamed
+from elockd.tcp_silence import LATE_REPLY
 from elockd.transport import Transport
 
 #: Replies of one received chunk are sent once they reach this many bytes, not only
@@ -39,13 +41,18 @@ def peer_name(address: object) -> bytes:
 
 
 async def serve_connection(
-    service: Service, transport: Transport, peer: bytes, resumed: Parked | None = None
+    service: Service,
+    transport: Transport,
+    peer: bytes,
+    resumed: Parked | None = None,
+    counted: bool = False,
 ) -> None:
     """Run one client connection to its end, then free its session per its rules.
 
     ``resumed`` is a connection taken over from a predecessor (docs/upgrade.md): its
     session, reader state and backlog of requests are served on as they were. A
-    connection handed over to a successor ends here without closing anything."""
+    connection handed over to a successor ends here without closing anything.
+    ``counted``: the accept loop already counted it in ``connections``."""
     pause = service.pause
     transport.pause = pause
     if resumed is None:
@@ -53,10 +60,14 @@ async def serve_connection(
         if pause.requested:  # accepted just before a hand-over: nothing handled yet
             try:
                 await pause.park(rest)
-            except HandedOver:
-                return
+            except BaseException as error:
+                if counted:  # no Connection will take the count over
+                    service.counters.connections -= 1
+                if isinstance(error, HandedOver):
+                    return
+                raise
         log_connection_open(peer)
-        rest.conn = Connection(service, peer)
+        rest.conn = Connection(service, peer, counted=counted)
     else:
         rest = resumed
         if rest.conn is None:
@@ -78,6 +89,10 @@ async def serve_connection(
         # connection that could not move (TLS) ends with this process.
         if not handed_over and not pause.handed_over:
             conn.close(trio.current_time())
+            # The transport and its resting state point at each other: break the
+            # cycle, so that the connection is freed now by its reference counts
+            # and not by a collection the raised GC thresholds rarely run.
+            transport.rest = None
             await transport.aclose()
             log_connection_close(peer)
 
@@ -138,7 +153,7 @@ async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | 
                 backlog.keep(lines, index + 1)
                 if isinstance(reply, Outcome) and reply.waits:
                     backlog.pending = reply
-                delivered = await deliver(reply, transport)
+                delivered = await deliver(reply, transport, now)
                 if delivered is None:  # paused while the request waits for its grant
                     await pause.park(rest)
                     break
@@ -175,11 +190,16 @@ async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | 
             await transport.send(b"".join(replies))
 
 
-async def deliver(reply: Reply, transport: Transport) -> bool | None:
+async def deliver(reply: Reply, transport: Transport, asked: float = -math.inf) -> bool | None:
     """Send a reply that was not ready at once; False when the client went away while
     its request waited (its session's disconnect then cancels the wait), None when a
     hand-over's pause came first (the request still waits in the engine, or was
-    granted but not answered: either way the reply is whoever serves it next's)."""
+    granted but not answered: either way the reply is whoever serves it next's).
+
+    ``asked`` is when the request was read (unknown for one resumed after a
+    hand-over): a reply :data:`~elockd.tcp_silence.LATE_REPLY` or more after it
+    tells the transport, so that a client whose host vanished while it waited is
+    given up on within the keepalive bound of its last word, not of the grant."""
     if isinstance(reply, Outcome):
         try:
             settled = await settle(reply, transport)
@@ -193,6 +213,8 @@ async def deliver(reply: Reply, transport: Transport) -> bool | None:
     elif isinstance(reply, Delayed):
         await trio.sleep(reply.seconds)
         reply = reply.reply
+    if trio.current_time() - asked >= LATE_REPLY:
+        transport.replying_late()
     if isinstance(reply, Streamed):
         await send_streamed(reply, transport)
     elif reply:  # glockd's dialect answers some requests with nothing at all
@@ -235,15 +257,7 @@ async def send_streamed(reply: Streamed, transport: Transport) -> None:
     """Send a streamed reply a chunk at a time: the next chunk is made only after the
     last one went out (a client that does not read stops the dump, not the server),
     and other connections run between chunks."""
-    if transport.whole_replies:
-        whole = b"".join(reply.chunks)
-        if whole:
-            await transport.send(whole)
-        return
-    for chunk in reply.chunks:
-        if chunk:  # an empty listing in glockd's dialect is no reply at all
-            await transport.send(chunk)
-        await trio.lowlevel.checkpoint()
+    await transport.send_stream(reply.chunks)
 
 
 class ConnectionSlots:

@@ -90,7 +90,9 @@ class Session:
         return not (self.exclusive or self.shared or self.waiters)
 
     def __repr__(self) -> str:
-        return f"<Session {self.id[:8]} {self.owner!r}>"
+        # Never the id, not even a part: it is a bearer secret, and a repr ends up
+        # in tracebacks and logs.
+        return f"<Session {self.owner!r}>"
 
 
 class Waiter:

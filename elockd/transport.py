@@ -11,16 +11,25 @@ calls, and both keep data read while a request waits (see ``watch_for_close``).
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import math
 import socket
 from collections import deque
+from collections.abc import Iterable
 from typing import Protocol
 
 import trio
 
 from elockd.pause import NEVER, STREAM_SEND_GRACE, Interrupted, Parked, Pause
+from elockd.tcp_silence import lower_user_timeout, set_user_timeout, silent_for
 
 RECEIVE_SIZE = 65536
+#: After a late reply lowered the user timeout, how often :class:`Restorer` checks
+#: whether the peer was heard since (then the whole bound applies again).
+HEARD_RECHECK = 0.5
+#: Connections :class:`Restorer` checks between two checkpoints.
+RESTORE_SLICE = 256
 #: While a request waits, bytes read ahead of it are kept up to this much; past it
 #: we stop reading (the client is alive and pipelining; TCP pushes back on it).
 READ_AHEAD_LIMIT = 1 << 20
@@ -32,9 +41,6 @@ UNSENT_LIMIT = READ_AHEAD_LIMIT
 
 
 class Transport(Protocol):
-    #: True when a multi-line reply must go out whole, in one send (a WebSocket
-    #: message); else it is sent a chunk at a time as the client reads.
-    whole_replies: bool
     #: Set by the connection's loop: while a read waits, the connection rests as
     #: ``rest`` (it counts as parked for a hand-over's ``pause``), and a read that
     #: ends while the pause lasts raises :class:`~elockd.pause.Interrupted` instead
@@ -47,6 +53,16 @@ class Transport(Protocol):
 
     async def send(self, data: bytes) -> None: ...
 
+    async def send_stream(self, chunks: Iterable[bytes]) -> None:
+        """Send a reply that grows with the tables, a chunk at a time: each chunk is
+        made only once the one before went out (as one WebSocket message, in
+        fragments)."""
+
+    def replying_late(self) -> None:
+        """The next send answers a request read a while ago (a grant after a wait): a
+        peer that vanished meanwhile is to be given up on within the keepalive bound
+        of when it was last heard from, not of this send (elockd/tcp_silence.py)."""
+
     async def watch_for_close(self) -> None:
         """Return when the peer closes; keep what it sends meanwhile for receive()."""
 
@@ -57,7 +73,6 @@ class _ReadAhead:
     """What both transports share: data read while a request waited comes first."""
 
     __slots__ = ("_read_ahead", "pause", "rest")
-    whole_replies = False
 
     def __init__(self) -> None:
         self._read_ahead = b""
@@ -75,6 +90,20 @@ class _ReadAhead:
 
     async def _receive_raw(self) -> bytes:
         raise NotImplementedError
+
+    async def send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def send_stream(self, chunks: Iterable[bytes]) -> None:
+        """A chunk at a time, as the client reads (a client that does not read stops
+        the dump, not the server); other connections run between chunks."""
+        for chunk in chunks:
+            if chunk:  # an empty listing in glockd's dialect is no reply at all
+                await self.send(chunk)
+            await trio.lowlevel.checkpoint()
+
+    def replying_late(self) -> None:
+        """Nothing to do where no TCP socket is reachable (TLS, memory streams)."""
 
     async def receive(self) -> bytes:
         if self._read_ahead:
@@ -148,12 +177,21 @@ class SocketTransport(_ReadAhead):
     anything else. A hand-over's pause interrupts a send waiting for its client: the
     bytes stay in :attr:`unsent`, the connection parks owing them, and they move
     with it (or go out first once a failed hand-over resumes it).
+
+    ``bound`` (seconds; 0 for none) is how long after its peer was last heard a TCP
+    connection dies (``TCP_USER_TIMEOUT``, set by ``tune_accepted``): a late reply
+    lowers it to what is left of that (:meth:`replying_late`), and the whole bound
+    applies again once the peer is heard from. ``lowered`` says it is lowered now.
     """
 
-    __slots__ = ("closer", "send_timeout", "sock", "unsent")
+    __slots__ = ("bound", "closer", "lowered", "lowered_at", "send_timeout", "sock", "unsent")
 
     def __init__(
-        self, sock: socket.socket, send_timeout: float = math.inf, closer: Closer | None = None
+        self,
+        sock: socket.socket,
+        send_timeout: float = math.inf,
+        closer: Closer | None = None,
+        bound: float = 0.0,
     ) -> None:
         super().__init__()
         sock.setblocking(False)
@@ -161,6 +199,43 @@ class SocketTransport(_ReadAhead):
         self.send_timeout = send_timeout
         self.closer = closer
         self.unsent = bytearray()
+        self.bound = bound if sock.family in (socket.AF_INET, socket.AF_INET6) else 0.0
+        self.lowered = False
+        self.lowered_at = 0.0
+
+    def replying_late(self) -> None:
+        if not self.bound:
+            return
+        try:
+            if lower_user_timeout(self.sock, self.bound) is None:
+                return
+        except OSError:
+            return  # the connection is gone: the send will tell
+        self.lowered_at = trio.current_time()
+        self.lowered = True
+        Restorer.of_this_run().watch(self, self.lowered_at + HEARD_RECHECK)
+
+    def heard(self) -> None:
+        """The peer was heard from since the late reply: the whole bound again."""
+        self.lowered = False
+        with contextlib.suppress(OSError):  # gone meanwhile: the next read tells
+            set_user_timeout(self.sock, self.bound)
+
+    def check_heard(self) -> bool:
+        """Give the whole bound back if the peer was heard since the late reply (its
+        ACK, say: a holder that stays silent then keeps the whole bound, not what was
+        left of it). True while it is still to be checked again."""
+        if not self.lowered:
+            return False  # heard through a read meanwhile
+        try:
+            silence = silent_for(self.sock)
+        except OSError:
+            self.lowered = False  # closed: nothing left to restore
+            return False
+        if silence < trio.current_time() - self.lowered_at:
+            self.heard()
+            return False
+        return True
 
     async def receive(self) -> bytes:
         """Yield to the other connections first, then try ``recv`` before arming epoll.
@@ -181,11 +256,14 @@ class SocketTransport(_ReadAhead):
         if self.pause.requested:
             raise Interrupted
         try:
-            return self.sock.recv(RECEIVE_SIZE)
+            data = self.sock.recv(RECEIVE_SIZE)
         except BlockingIOError:
             return await self._receive_raw()
         except OSError:  # reset by peer and friends: the peer is gone
             return b""
+        if self.lowered:
+            self.heard()
+        return data
 
     async def _receive_raw(self) -> bytes:
         sock, pause, rest = self.sock, self.pause, self.rest
@@ -205,11 +283,14 @@ class SocketTransport(_ReadAhead):
             if pause.requested:
                 raise Interrupted
             try:
-                return sock.recv(RECEIVE_SIZE)
+                data = sock.recv(RECEIVE_SIZE)
             except BlockingIOError:
                 continue
             except OSError:  # reset by peer and friends: the peer is gone
                 return b""
+            if self.lowered:
+                self.heard()
+            return data
 
     async def send(self, data: bytes) -> None:
         if not self.unsent:
@@ -259,6 +340,60 @@ class SocketTransport(_ReadAhead):
             self.sock.close()
         else:
             self.closer.close_later(self.sock)
+
+
+class Restorer:
+    """One task per trio run (a system task, started on first use) that gives
+    connections whose user timeout a late reply lowered the whole bound back once
+    their peer was heard from, :data:`RESTORE_SLICE` at a time with a checkpoint
+    between slices. One task, not a timer in each connection's read: 10,000 waits
+    that time out together would otherwise all wake at once half a second later,
+    each re-arming its epoll registration (a 100 ms stall for everyone else)."""
+
+    _current: trio.lowlevel.RunVar[Restorer] = trio.lowlevel.RunVar("restorer")
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, SocketTransport]] = []
+        self._order = 0  # ties in the heap never compare transports
+        self._work = trio.Event()
+
+    @classmethod
+    def of_this_run(cls) -> Restorer:
+        try:
+            return cls._current.get()
+        except LookupError:
+            restorer = cls()
+            cls._current.set(restorer)
+            trio.lowlevel.spawn_system_task(restorer.run, name="elockd.transport.Restorer")
+            return restorer
+
+    def watch(self, transport: SocketTransport, at: float) -> None:
+        """Check ``transport`` at ``at`` (and every :data:`HEARD_RECHECK` after, while
+        its peer stays unheard: then the kernel gives it up within what was left)."""
+        self._order += 1
+        heapq.heappush(self._due, (at, self._order, transport))
+        self._work.set()
+
+    async def run(self) -> None:
+        due = self._due
+        while True:
+            if not due:
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            now = trio.current_time()
+            if due[0][0] > now:
+                with trio.move_on_at(due[0][0]):
+                    await self._work.wait()  # an earlier one may come meanwhile
+                self._work = trio.Event()
+                continue
+            for _ in range(RESTORE_SLICE):
+                if not due or due[0][0] > now:
+                    break
+                _, _, transport = heapq.heappop(due)
+                if transport.check_heard():
+                    self.watch(transport, now + HEARD_RECHECK)
+            await trio.lowlevel.checkpoint()
 
 
 #: A Stream's send_all gives no sign of progress until it returns, so

@@ -8,24 +8,32 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 SSH_BANNER = b"SSH-2.0-OpenSSH_9.2p1 Debian-2+deb12u3\r\n"
 
 
 @contextlib.contextmanager
-def foreign_service(greeting: bytes = SSH_BANNER) -> Iterator[int]:
+def foreign_service(
+    greeting: bytes = SSH_BANNER, answer: Callable[[bytes], bytes] | None = None
+) -> Iterator[int]:
     """Accept connections, send ``greeting`` at once (as sshd does), then read and
     ignore whatever comes, keeping the connection open until the client leaves: the
-    hardest case, where only the content of the reply can tell. Yields the port."""
+    hardest case, where only the content of the reply can tell. With ``answer``,
+    each request line read is answered with what it returns. Yields the port."""
     server = socket.create_server(("127.0.0.1", 0))
     connections: list[socket.socket] = []
 
     def serve_one(connection: socket.socket) -> None:
         with connection, contextlib.suppress(OSError):
             connection.sendall(greeting)
-            while connection.recv(4096):
-                pass
+            pending = b""
+            while data := connection.recv(4096):
+                if answer is None:
+                    continue
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                connection.sendall(b"".join(answer(line.strip()) for line in lines))
 
     def accept() -> None:
         with contextlib.suppress(OSError):  # the listener was closed: done
@@ -46,3 +54,14 @@ def foreign_service(greeting: bytes = SSH_BANNER) -> Iterator[int]:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
         acceptor.join(5)
+
+
+#: Verbs of the terse family: a node without etcd quorum answers them with the
+#: ``0`` form of ``Backend Unavailable``, word verbs with the ``409`` form.
+TERSE_VERBS = frozenset(b"g r i sg sr si q d sd dump who iam me".split())
+
+
+def quorumless_answer(line: bytes) -> bytes:
+    """What a cluster node that cannot reach etcd answers every request with."""
+    verb = line.split(b" ", 1)[0]
+    return b"0 Backend Unavailable\r\n" if verb in TERSE_VERBS else b"409 Backend Unavailable\r\n"

@@ -49,3 +49,10 @@ def stop_server(process: subprocess.Popen[str]) -> None:
     process.wait()
     if process.stderr:
         process.stderr.close()
+
+
+def mutual_tls_flags(files: dict[str, str], *, auth: bool = False) -> list[str]:
+    """elockd's flags for a mutual-TLS lock port from the ``tls_files`` fixture's
+    PEM files, and its token with ``auth``."""
+    flags = ["--tls-cert", files["cert"], "--tls-key", files["key"], "--tls-client-ca", files["ca"]]
+    return [*flags, "--auth-token-file", files["token"]] if auth else flags

@@ -108,7 +108,9 @@ def test_environment_values_go_through_the_flags_types(
 def test_empty_and_unknown_variables_change_nothing() -> None:
     config, notes = load_config([], {"ELOCKD_PORT": "", "ELOCKD_PROT": "1", "PORT": "2"})
     assert config == Config()
-    assert notes == ["ELOCKD_PROT is not an elockd setting; ignored"]
+    assert notes == ["ELOCKD_PROT is not an elockd setting (did you mean ELOCKD_PORT?); ignored"]
+    _, notes = load_config([], {"ELOCKD_ZZZZZZ": "1"})
+    assert notes == ["ELOCKD_ZZZZZZ is not an elockd setting; ignored"]
 
 
 def test_grace_is_in_seconds_and_grace_ms_is_a_deprecated_alias(tmp_path: Path) -> None:

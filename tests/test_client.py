@@ -644,3 +644,71 @@ def test_keys_and_replies_in_messages_are_text() -> None:
     assert str(refused.value) == "lock 'jobk' unavailable"
     with pytest.raises(ValueError, match="'a b'"):
         core.lock("a b", 0.0, None, None, None)
+
+
+@pytest.mark.parametrize(
+    "start, replies",
+    [
+        (lambda core: core.lock("k", 0.0, None, None, None), b"409 Backend Unavailable\r\n" * 2),
+        (lambda core: core.shared("k", 0.0, 2, None, None, None), b"409 Backend Unavailable\r\n"),
+        (
+            lambda core: core.mlock(["k", "j"], 0.0, None, None, None),
+            b"409 Backend Unavailable\r\n" * 3,
+        ),
+    ],
+)
+def test_backend_unavailable_is_no_busy_lock(
+    start: Callable[[ClientCore], Operation[Hold]], replies: bytes
+) -> None:
+    """A cluster node without etcd quorum answers ``409 Backend Unavailable``: that
+    says nothing about the key, so it must not read as "held by others"
+    (``Unavailable``), which a cron guard takes for "skip this run"."""
+    core = ClientCore(threading.Event)
+    op = start(core)
+    core.receive(replies, 1.0)
+    with pytest.raises(RequestError, match="409 Backend Unavailable") as raised:
+        op.finish()
+    assert not isinstance(raised.value, Unavailable)
+    # A real "not granted" still is one.
+    core = ClientCore(threading.Event)
+    op = core.shared("k", 0.0, 2, None, None, None)
+    core.receive(b"409 2\r\n", 1.0)
+    with pytest.raises(Unavailable):
+        op.finish()
+
+
+def test_the_first_request_starts_with_a_blank() -> None:
+    """elockd drops leading blanks; an HTTP server or a TLS port refuses a request
+    line that starts with one at once, so a client at the wrong door hears so now."""
+    core = ClientCore(threading.Event)
+    assert core.data_to_send() == b""  # the blank never goes alone
+    core.simple(b"i k", 0.0, parse_lines)
+    core.simple(b"i j", 0.0, parse_lines)
+    assert core.data_to_send() == b" i k\ni j\n"
+    core.simple(b"i l", 0.0, parse_lines)
+    assert core.data_to_send() == b"i l\n"
+
+
+@pytest.mark.parametrize(
+    "line, data",
+    [
+        (b"i k", b"\x15\x03\x01\x00\x02\x02\x46"),  # a TLS alert, no line end ever
+        (b"q", b"\x15\x03\x03\x00\x02"),  # also where a block is due
+        (b"i k", b"HTTP/1.1 400 "),  # a one-line reply starts with a digit
+    ],
+)
+def test_bytes_that_cannot_start_a_reply_fail_before_a_line_end(line: bytes, data: bytes) -> None:
+    core = ClientCore(threading.Event)
+    core.simple(line, 0.0, parse_lines)
+    core.receive(data, 1.0)
+    assert isinstance(core.error, ProtocolError)
+    assert core.error.data == data
+
+
+def test_a_block_may_start_with_any_byte_until_its_line_ends() -> None:
+    core = ClientCore(threading.Event)
+    dump = core.simple(b"d", 0.0, parse_lines)
+    core.receive(b"HTTP-ish-key: 127.0.0.1:5", 1.0)  # a key is any bytes
+    assert core.error is None
+    core.receive(b"\r\nEND\r\n", 1.0)
+    assert dump.finish() == [b"HTTP-ish-key: 127.0.0.1:5"]

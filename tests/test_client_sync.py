@@ -306,7 +306,7 @@ def test_both_clients_over_a_unix_socket(tmp_path: Path) -> None:
     process, _ = start_server("--unix", path)
     try:
         with BlockingClient(unix=path) as client, client.lock("over-unix") as hold:
-            assert client.info("over-unix").owner == b"unix"
+            assert client.info("over-unix").owner == b"unix:1"
 
         async def with_trio() -> int | None:
             async with Client(unix=path) as client, client.lock("over-unix") as again:

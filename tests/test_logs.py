@@ -45,8 +45,16 @@ async def connect(port: int) -> LineClient:
 
 @pytest.fixture(autouse=True)
 def fresh_refusal_throttles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Refusal lines are rate-limited per process; each test starts with none sent."""
+    """Refusal and session-end lines are rate-limited per process; each test starts
+    with none sent."""
     monkeypatch.setattr(logs, "_refusals", {})
+    monkeypatch.setattr(
+        logs,
+        "_session_end_log",
+        LogThrottle(
+            logs.log, logging.INFO, logs.SESSION_END_INTERVAL, burst=logs.SESSION_END_BURST
+        ),
+    )
 
 
 async def test_info_has_the_orphans_and_nothing_per_request(

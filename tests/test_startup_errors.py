@@ -1,5 +1,5 @@
 """Start-up mistakes as a real operator meets them: one line naming the flag, the
-value and the cause, exit status 1, no traceback; and signals obeyed while a
+value and the cause, exit status 2, no traceback; and signals obeyed while a
 cluster node still waits for etcd."""
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ def elockd(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def refused(*args: str) -> str:
-    """The one line a start-up mistake prints; checks exit 1 and at most 3 lines."""
+    """The one line a start-up mistake prints; checks exit 2 and that it is the only
+    line (no "elockd starting" record before it)."""
     result = elockd(*args)
     lines = result.stderr.splitlines()
-    assert result.returncode == 1, result.stderr
-    assert len(lines) <= 3, result.stderr
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     return lines[-1]
 
@@ -101,7 +102,11 @@ def test_tls_files_that_are_not_what_they_should_be(
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate\n")
     line = refused("--tls-cert", str(junk))
-    assert line.startswith(f"elockd: --tls-cert {junk}: not a PEM certificate with its private key")
+    assert line == f"elockd: --tls-cert {junk}: needs --tls-key (no private key in this file)"
+    line = refused("--tls-cert", tls_files["cert"])  # not "PEM lib" (issue 24, E6)
+    assert line.endswith(": needs --tls-key (no private key in this file)")
+    line = refused("--tls-cert", str(junk), "--tls-key", tls_files["key"])
+    assert line.startswith(f"elockd: --tls-cert {junk} / --tls-key {tls_files['key']}: not a PEM")
     cert, wrong_key = tls_files["cert"], tls_files["client_key"]
     line = refused("--tls-cert", cert, "--tls-key", wrong_key)
     assert line.startswith(f"elockd: --tls-cert {cert} / --tls-key {wrong_key}: not a PEM")
@@ -111,8 +116,9 @@ def test_tls_files_that_are_not_what_they_should_be(
 
 def test_with_json_logs_the_failure_is_json_too(busy_port: int) -> None:
     result = elockd("--port", str(busy_port), "--log-format", "json")
-    assert result.returncode == 1
+    assert result.returncode == 2
     records = [json.loads(line) for line in result.stderr.splitlines()]
+    assert len(records) == 1, "no start record before the failure"
     assert records[-1]["level"] == "error"
     assert records[-1]["event"] == "cannot start"
     assert records[-1]["problem"].startswith(f"--port {busy_port}: address already in use")

@@ -166,7 +166,7 @@ async def test_unix_socket(nursery: trio.Nursery, tmp_path: Path) -> None:
     await nursery.start(serve, config, make_service(config))
     client = LineClient(await trio.open_unix_socket(path))
     assert await client.request(b"g k") == b"1 Got Lock"
-    assert await client.request(b"me") == b"1 unix unix"
+    assert await client.request(b"me") == b"1 unix:1 unix:1"
     await client.aclose()
 
 

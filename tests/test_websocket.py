@@ -257,15 +257,25 @@ async def test_close_codes_say_why_a_session_ended(nursery: trio.Nursery) -> Non
         assert closed.value.reason.code == 1013
 
 
-async def test_glockds_silences_send_no_message(nursery: trio.Nursery) -> None:
-    """With --replies glockd, a request that gets no reply gets no message either."""
+async def test_glockds_silences_are_empty_messages(nursery: trio.Nursery) -> None:
+    """W6 (issue 24): with --replies glockd, a request that gets no reply on TCP (an
+    unknown verb, an empty line, a listing of nothing) gets an empty message, as
+    r312 sends: glockd's own tester waits for one message per request."""
     server = await start(nursery, replies="glockd")
     async with websocket(server.url) as ws:
-        for request in ("nope", "d nothing", ""):
-            await ws.send_message(request)
+        assert await ask(ws, "nope") == ""
+        assert await ask(ws, "d") == ""  # nothing is held: an empty listing
+        assert await ask(ws, "d nothing") == ""
+        assert await ask(ws, "") == ""
+        assert await ask(ws, b"who") == b""  # of the request's type
         assert await ask(ws, "ping") == "200 PONG\r\n"
         assert await ask(ws, "g k") == "1 Lock Get Success: k\r\n"
         assert await ask(ws, "d") == f"k: {ws.local.address}:{ws.local.port}\r\n"
+        # Several lines in one message are answered together, silences adding nothing.
+        assert await ask(ws, "nope\ni k") == "1 Lock Is Locked: k\r\n"
+    tcp = await server.tcp()
+    await tcp.send(b"nope\n")
+    assert await tcp.request(b"i k") == b"0 Lock Not Locked: k"  # TCP: silence
 
 
 async def test_binary_messages_keep_every_byte_of_a_key(nursery: trio.Nursery) -> None:
@@ -278,3 +288,30 @@ async def test_binary_messages_keep_every_byte_of_a_key(nursery: trio.Nursery) -
         assert isinstance(listing, bytes) and listing.startswith(b"\x80\xff: "), listing
         text = await ask(ws, "d")  # a text message shows the bytes replaced
         assert isinstance(text, str) and text.startswith("\ufffd\ufffd: "), text
+
+
+async def test_pings_are_answered_and_an_upgrade_must_open_its_connection(
+    nursery: trio.Nursery,
+) -> None:
+    """A ping gets its pong (the session goes on); an upgrade asked on a kept-alive
+    HTTP connection, after a first request, is refused (403)."""
+    server = await start(nursery)
+    async with websocket(server.url) as ws:
+        with trio.fail_after(5):
+            await ws.ping(b"are you there")
+        assert await ask(ws, "ping") == "200 PONG\r\n"
+    stream = await trio.open_tcp_stream("127.0.0.1", server.http_port)
+    await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    received = b""
+    while not received.endswith(b"0\r\n\r\n"):  # the chunked body's end
+        received += await stream.receive_some(4096)
+    assert received.startswith(b"HTTP/1.1 200 ") and b"ok\n" in received
+    await stream.send_all(
+        b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    received = b""
+    while b"\r\n" not in received:
+        received += await stream.receive_some(4096)
+    assert received.startswith(b"HTTP/1.1 403 "), received
+    await stream.aclose()

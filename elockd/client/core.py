@@ -58,6 +58,9 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 MULTILINE_VERBS = frozenset({b"stats", b"q", b"d", b"sd", b"dump", b"who"})
 #: The server's answers to a missing or wrong ``auth`` token.
 AUTH_REFUSALS = frozenset({b"0 Auth Required", b"403 Auth Required", b"403 Bad Token"})
+#: A word verb's answer when a cluster node cannot reach etcd: nothing was granted,
+#: and nothing is known about the key.
+BACKEND_UNAVAILABLE = b"409 Backend Unavailable"
 #: What a terse probe's reply may say after its leading integer: the texts that mean
 #: yes (integer above 0) and no (integer 0), each as elockd's whole text and the
 #: start of glockd's (which goes on with the key). ``sg`` has no "no". Anything
@@ -303,7 +306,11 @@ class ClientCore:
         self.pending: deque[Request] = deque()
         self.holds: dict[bytes, Hold] = {}  # every key this client holds or is acquiring
         self.error: ConnectionLost | None = None
-        self._out: list[bytes] = []
+        # The first request goes out after one blank, which elockd drops (leading
+        # blanks of a line are, docs/protocol.md) and an HTTP/1.1 server (h11,
+        # hypercorn, nginx) or a TLS port refuses at once: a client sent to the
+        # wrong door hears so now, not after its reply timeout.
+        self._out: list[bytes] = [b" "]
         self._replies = ReplyReader()
         self._lost: list[Hold] = []  # lost holds whose on_lost is still to be called
         self._busy: set[bytes] = set()  # keys with an acquire in flight
@@ -331,6 +338,8 @@ class ClientCore:
         return request
 
     def data_to_send(self) -> bytes:
+        if self._out == [b" "]:
+            return b""  # the blank goes with the first request, never alone
         data = b"".join(self._out)
         self._out.clear()
         return data
@@ -491,7 +500,7 @@ class ClientCore:
 
         def finish() -> Hold:
             self._busy.discard(raw)
-            if lock.code == 409:
+            if not_granted(lock):
                 raise Unavailable(f"lock {quoted(raw)} unavailable")
             _expect(lock, b"200 Acquired")
             if token.code != 200:
@@ -547,7 +556,7 @@ class ClientCore:
         def finish() -> Hold:
             self._busy.discard(raw)
             code = request.code
-            if code == 409:
+            if not_granted(request):
                 holders = int(request.reply.split()[1])
                 raise Unavailable(
                     f"shared lock {quoted(raw)} full ({holders} holders)", holders=holders
@@ -595,7 +604,7 @@ class ClientCore:
 
         def finish() -> Hold:
             self._busy.difference_update(raws)
-            if request.code == 409:
+            if not_granted(request):
                 held = tuple(request.reply.split()[2:])
                 raise Unavailable(f"mlock unavailable: {quoted(b' '.join(held))} held", keys=held)
             _expect(request, b"200 Acquired")
@@ -662,6 +671,14 @@ class ClientCore:
         """The client is closing: every hold still tracked is reported lost."""
         for hold in list(self.holds.values()):
             self._lose(hold, reason, now)
+
+
+def not_granted(request: Request) -> bool:
+    """A ``409`` that says "held by others, not granted within the wait". ``409
+    Backend Unavailable`` (a cluster node without etcd quorum) is no such answer:
+    nobody knows whether the key is free, so it raises as a refusal instead, and a
+    cron guard never reads it as "busy, skip this run"."""
+    return request.code == 409 and request.reply != BACKEND_UNAVAILABLE
 
 
 def _refusal(request: Request) -> RequestError:

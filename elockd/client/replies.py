@@ -27,6 +27,7 @@ ONE_LINE_REFUSALS = frozenset(
 )
 #: Every one-line reply of both families starts with its integer and a blank.
 ONE_LINE_REPLY = re.compile(rb"\d+ ")
+DIGITS = tuple(b"%d" % digit for digit in range(10))
 #: The line that ends a multi-line reply, and how it stands after the one before it.
 _END = b"END\r\n"
 _AFTER_A_LINE = b"\r\n" + _END
@@ -71,6 +72,8 @@ class ReplyReader:
         if not self._in_block:
             cut = self.buffer.find(b"\n")
             if cut < 0:
+                if self._cannot_start_a_reply(multiline):
+                    raise self.foreign()
                 return None
             line = self.buffer.peek(cut + 1)
             if not line.endswith(b"\r\n"):
@@ -86,6 +89,17 @@ class ReplyReader:
             self._in_block = True
         return self._take_block()
 
+    def _cannot_start_a_reply(self, multiline: bool) -> bool:
+        """Bytes no line of ours can start with, told before a line end comes (a
+        peer that sent them may never send one): a TLS record's header (an alert
+        from a TLS port), or, where a one-line reply is due, anything but a digit."""
+        buffer = self.buffer
+        if buffer.startswith(b"\x15\x03") or buffer.startswith(b"\x16\x03"):
+            return True
+        if multiline or not buffer:
+            return False
+        return not any(buffer.startswith(digit) for digit in DIGITS)
+
     def _take_block(self) -> list[bytes] | None:
         """A multi-line reply, up to its ``END`` line."""
         if self.buffer.startswith(_END):
@@ -99,9 +113,11 @@ class ReplyReader:
         return self.buffer.take(stop)[:-2].split(b"\r\n")
 
     def foreign(self) -> ProtocolError:
-        """The peer is not elockd: the error names the start of what it sent."""
+        """The peer is not elockd: the error names the start of what it sent (its
+        first line, such as ``HTTP/1.1 400 Bad Request``; ``data`` has more)."""
         data = self.buffer.peek(80)
-        return ProtocolError(f"not an elockd reply: {quoted(data.rstrip())}", data)
+        first = data.split(b"\n", 1)[0].rstrip()
+        return ProtocolError(f"not an elockd reply: {quoted(first)}", data)
 
     def unasked(self) -> ConnectionLost:
         """Bytes nobody asked for: elockd's refusal of the connection itself (``0 Too

@@ -27,6 +27,9 @@ from elockd.logthrottle import LogThrottle
 log = logging.getLogger("elockd.cluster")
 #: A node waiting for etcd at start-up says so every 10 s, not every retry.
 startup_wait_log = LogThrottle(log, logging.WARNING, 10.0)
+#: Every request fails while etcd has no quorum (8,583 lines in 7 s of a burst):
+#: one line per 10 s, with a count.
+unavailable_log = LogThrottle(log, logging.WARNING, 10.0)
 
 T = TypeVar("T")
 
@@ -137,7 +140,7 @@ class EtcdCalls:
     def unavailable(self, what: str) -> None:
         self.backend_unavailable += 1
         self.keeper_wanted.set()
-        log.warning("backend unavailable: etcd did not answer (%s)", what)
+        unavailable_log("backend unavailable: etcd did not answer (%s)", what)
 
     async def etcd(self, call: Awaitable[T]) -> T:
         """Await an etcd call: etcd without quorum, or an error reply, becomes

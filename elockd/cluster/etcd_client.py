@@ -515,6 +515,9 @@ class Watch(AsyncIterator[list[Event]]):
         }
         self._from_now = start <= 0
         self.last_revision = max(start - 1, 0)  # every event up to here was delivered
+        #: etcd's revision when the current stream was created: the events up to it
+        #: are a replay of what happened before (see QueueMirror.catch_up_to).
+        self.created_at = 0
         self._index = client._current
         self._response: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
@@ -607,6 +610,8 @@ class Watch(AsyncIterator[list[Event]]):
             fresh = [event for event in events if event.kv.mod_revision > self.last_revision]
             self.last_revision = max(self.last_revision, *(e.kv.mod_revision for e in events))
             return fresh
+        if result.get("created"):
+            self.created_at = _revision(result)
         if not result.get("created") or (self._from_now and self.last_revision == 0):
             self.last_revision = max(self.last_revision, _revision(result))
         return []

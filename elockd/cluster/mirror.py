@@ -30,7 +30,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from elockd.cluster.etcd_client import Event, KeyValue
-from elockd.cluster.layout import SHARED, EntryValue, Layout, parse_entry_value
+from elockd.cluster.layout import EXCLUSIVE, SHARED, EntryValue, Layout, parse_entry_value
 
 QueueId = tuple[bytes, bytes]  # (kind, lock name)
 
@@ -64,13 +64,17 @@ class Entry:
 
 
 class Queue:
-    """The entries of one lock, oldest first."""
+    """The entries of one lock, oldest first, and, for an exclusive lock,
+    ``held_up_to``: the create revision of the youngest entry seen holding it and
+    then go (no entry older than that may be granted after it: its fencing token
+    would go back)."""
 
-    __slots__ = ("entries", "revisions")
+    __slots__ = ("entries", "held_up_to", "revisions")
 
     def __init__(self) -> None:
         self.revisions: list[int] = []
         self.entries: dict[int, Entry] = {}
+        self.held_up_to = 0
 
     def add(self, entry: Entry) -> Entry | None:
         """Add or replace (a shared entry marked held); the entry it replaced."""
@@ -80,11 +84,15 @@ class Queue:
         self.entries[entry.revision] = entry
         return old
 
-    def remove(self, revision: int) -> Entry | None:
+    def remove(self, revision: int, *, shared: bool) -> Entry | None:
         """Take out the entry at ``revision``; the entry, or None."""
-        entry = self.entries.pop(revision, None)
-        if entry is not None:
-            del self.revisions[bisect_left(self.revisions, revision)]
+        entry = self.entries.get(revision)
+        if entry is None:
+            return None
+        if not shared and self.revisions[0] == revision:
+            self.held_up_to = max(self.held_up_to, revision)
+        del self.entries[revision]
+        del self.revisions[bisect_left(self.revisions, revision)]
         return entry
 
     def granted(self) -> Iterator[Entry]:
@@ -178,6 +186,11 @@ class QueueMirror:
         self.by_tag: dict[int, dict[bytes, int]] = {}
         self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
         self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
+        #: The revision etcd was at when the current watch stream was created: the
+        #: events before it are a replay of history (a reconnect), and no waiter is
+        #: granted until the mirror has caught up with it (see :meth:`catch_up_to`).
+        self.replay_until = 0
+        self._deferred: set[ClusterWaiter] = set()  # would be granted, once caught up
         self.on_other = on_other  # events on keys that are not queue entries
         self._reset_counts()
 
@@ -197,6 +210,7 @@ class QueueMirror:
         self.queues.clear()
         self._located.clear()
         self.by_tag.clear()
+        self._deferred.clear()  # judged again below, on the fresh state
         self._reset_counts()
         self.revision = revision
         for kv in kvs:
@@ -213,7 +227,7 @@ class QueueMirror:
         for event in events:
             kv = event.kv
             if kv.mod_revision > self.revision:
-                if touched or self._parked:
+                if touched or self._parked or self._deferred:
                     self._judge_touched(touched)
                 self.revision = kv.mod_revision
             if not kv.key.startswith(self.layout.queues):
@@ -239,6 +253,32 @@ class QueueMirror:
                 self._judge(waiter)
         touched.clear()
         self._unpark()
+        if self._deferred and self.revision >= self.replay_until:
+            deferred, self._deferred = self._deferred, set()
+            for waiter in deferred:
+                self._judge(waiter)
+
+    def catch_up_to(self, revision: int) -> None:
+        """The watch (re)connected when etcd was at ``revision``: until the mirror
+        reaches it, what it shows is history being replayed, and a grant judged on
+        history would be given now for a state that may have ended since (a node
+        cut off from etcd sees the delete that let its waiter in only after
+        etcd expired its lease and granted the lock elsewhere)."""
+        self.replay_until = max(self.replay_until, revision)
+
+    def caught_up(self) -> bool:
+        return self.revision >= self.replay_until
+
+    def granted_after(self, keys: Sequence[bytes], revision: int) -> bytes | None:
+        """The first of ``keys`` whose exclusive queue has seen a younger entry than
+        ``revision`` hold it and go: a grant at ``revision`` would hand out a
+        fencing token lower than one already given for that key (a tripwire: the
+        grant rule never does that on a mirror that is whole)."""
+        for key in keys:
+            queue = self.queues.get((EXCLUSIVE, key))
+            if queue is not None and queue.held_up_to > revision:
+                return key
+        return None
 
     def _put(self, kv: KeyValue) -> QueueId | None:
         name = self.layout.parse_entry(kv.key)
@@ -265,8 +305,8 @@ class QueueMirror:
 
     def _remove(self, queue_id: QueueId, revision: int) -> None:
         queue = self.queues[queue_id]
-        entry = queue.remove(revision)
         shared = queue_id[0] == SHARED
+        entry = queue.remove(revision, shared=shared)
         if entry is not None:
             if shared:
                 self.shared_entries -= 1
@@ -324,6 +364,7 @@ class QueueMirror:
         if waiter.state == WAITING:
             waiter.state = CANCELLED
         self._parked.discard(waiter)
+        self._deferred.discard(waiter)
         for queue_id in waiter.queues:
             waiters = self._waiters.get(queue_id)
             if waiters is not None:
@@ -349,6 +390,9 @@ class QueueMirror:
         for queue_id in waiter.queues:
             if not self.holds(queue_id, waiter.revision, waiter.limit):
                 return
+        if self.revision < self.replay_until:
+            self._deferred.add(waiter)
+            return
         self._finish(waiter, GRANTED)
 
     def holds(self, queue_id: QueueId, revision: int, limit: int = 1) -> bool:

@@ -95,6 +95,7 @@ class ClusterNode:
                 nursery.start_soon(self._watch)
                 nursery.start_soon(self._keep_alive)
                 nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self.ownership.enforce_deadline)
                 for session in self.ended_at_join:
                     self.ownership.disconnect(session, trio.current_time())
                 self.ended_at_join = []
@@ -157,7 +158,7 @@ class ClusterNode:
             sent = trio.current_time()
             remaining = await self.client.lease_keepalive(lease)
             if remaining:
-                self.ownership.set_lease(lease, sent + remaining)
+                self.ownership.renewed(lease, sent, remaining)
                 return
             self.ownership.lose_all("the node's etcd lease ran out during the hand-over")
         await self._grant_sessions_lease()
@@ -165,7 +166,7 @@ class ClusterNode:
     async def _grant_sessions_lease(self) -> None:
         sent = trio.current_time()
         lease, ttl = await self.client.lease_grant(self.session_ttl)
-        self.ownership.set_lease(lease, sent + ttl)
+        self.ownership.renewed(lease, sent, ttl)
 
     async def _load_mirror(self) -> None:
         queues = self.layout.queues
@@ -180,9 +181,11 @@ class ClusterNode:
             try:
                 # Every node writes its heartbeat under the root every TTL/3, so a
                 # stream quiet for a whole TTL comes from a hung member.
-                async for events in self.client.watch(
+                watch = self.client.watch(
                     root, prefix_end(root), self.mirror.revision + 1, silence=self.session_ttl
-                ):
+                )
+                async for events in watch:
+                    self.mirror.catch_up_to(watch.created_at)
                     self.mirror.apply(events)
             except WatchCompacted:
                 log.warning("watch fell behind etcd's compaction: reloading every queue")
@@ -244,7 +247,7 @@ class ClusterNode:
         if remaining == 0:
             ownership.lease_gone("etcd expired the node's lease")
         else:
-            ownership.set_lease(lease, sent + remaining)
+            ownership.renewed(lease, sent, remaining)
 
     async def _heartbeat(self) -> None:
         """The node's own lease, renewed in a loop of its own (a slow session

@@ -59,12 +59,48 @@ from elockd.cluster.layout import (
 )
 from elockd.cluster.ledger import ClusterHold, ClusterSession, Ledger
 from elockd.cluster.mirror import ClusterWaiter, QueueMirror, granted_kvs
+from elockd.logs import shown
+from elockd.logthrottle import LogThrottle
 from elockd.sessions import Session
 
 log = logging.getLogger("elockd.cluster")
+#: Sessions are lost by the thousand when etcd fails, and a client can have its
+#: sessions taken over as fast as it connects: one line each per 10 s, with a count.
+#: A session is named by its peer and tag, never by its id (a bearer secret).
+lost_log = LogThrottle(log, logging.WARNING, 10.0)
+moved_log = LogThrottle(log, logging.WARNING, 10.0)
 
 #: Guarded deletes per txn: etcd's default --max-txn-ops is 128.
 DELETES_PER_TXN = 64
+#: Seconds before etcd could expire the node's lease at the earliest that the node
+#: stops confirming anything held under it (see :func:`lease_deadline`).
+LEASE_MARGIN = 0.5
+#: How far this host's clock may run slow against the etcd leader's, as a fraction
+#: of the time measured (an NTP-disciplined clock is off by parts per million; a
+#: VM's clock that jumps or drifts by this much is broken anyway).
+CLOCK_RATE_ERROR = 0.02
+
+
+def lease_deadline(sent: float, ttl: float) -> float:
+    """When the node stops confirming holds under a lease whose last keepalive (or
+    grant) was *sent* at ``sent`` and answered with ``ttl`` seconds.
+
+    Why this is ahead of any moment another node could be granted those locks:
+    etcd's leader restarts a lease's TTL when it applies the keepalive, which is
+    after we sent it, so etcd cannot expire the lease before ``sent + ttl`` as
+    measured on the leader's clock (a leader change only resets the TTL to the
+    full value, later still; etcd checks for expired leases every 0.5 s, which
+    only makes its expiry later). Another node's grant follows that expiry. This
+    node's clock may run slower than the leader's by ``CLOCK_RATE_ERROR`` of the
+    TTL, and acting on the deadline takes time: the timer fires in a busy event
+    loop, connections are closed, and a reply already written reaches its client
+    one trip later. ``LEASE_MARGIN`` covers that. So nothing this node confirms
+    after the deadline, and nothing it confirmed before, overlaps a grant made
+    elsewhere after etcd's expiry, as long as the loop lags less than the margin
+    (docs/cluster.md, "What is guaranteed")."""
+    return sent + ttl * (1 - CLOCK_RATE_ERROR) - LEASE_MARGIN
+
+
 #: Entries moved per txn by a takeover: a compare and a put each, and the guard.
 MOVES_PER_TXN = 40
 
@@ -92,12 +128,16 @@ class SessionOwnership:
         self.session_ttl = session_ttl
         #: The etcd lease every record and entry of this node's sessions hangs on
         #: (0 until the node has joined, and after etcd let it run out until the
-        #: node has a new one), and when etcd may drop it, by this node's clock.
+        #: node has a new one), and the local deadline (:func:`lease_deadline`)
+        #: after which the node confirms nothing held under it.
         self.lease = 0
-        self.lease_expires_at = math.inf
+        self.lease_deadline = math.inf
         #: Set while the node has a lease: a request waits on it while the node
         #: gets a new one (see :meth:`wait_for_lease`).
         self._lease_ready = trio.Event()
+        #: Set (and replaced) whenever the lease or its deadline changes: the
+        #: node's deadline timer sleeps on it (see :meth:`enforce_deadline`).
+        self._deadline_moved = trio.Event()
         self._taking: set[str] = set()  # session ids a conn_id is taking over now
 
     def open_session(self, session_id: str, peer: bytes) -> ClusterSession:
@@ -114,15 +154,45 @@ class SessionOwnership:
             raise BackendUnavailable("this node has no etcd lease (etcd let it run out)")
         return self.lease
 
-    def set_lease(self, lease: int, expires_at: float) -> None:
-        """The node's lease (new, renewed, or a predecessor's) and when etcd may drop
-        it; 0 and infinity for none."""
+    def renewed(self, lease: int, sent: float, ttl: float) -> None:
+        """etcd confirmed ``lease`` (granted, or kept alive) for ``ttl`` seconds in
+        answer to a call sent at ``sent``."""
+        self.set_lease(lease, lease_deadline(sent, ttl))
+
+    def set_lease(self, lease: int, deadline: float) -> None:
+        """The node's lease (new, renewed, or a predecessor's) and its local
+        deadline; 0 and infinity for none."""
         self.lease = lease
-        self.lease_expires_at = expires_at
+        self.lease_deadline = deadline
         if lease:
             self._lease_ready.set()
         elif self._lease_ready.is_set():
             self._lease_ready = trio.Event()
+        self._deadline_moved.set()
+        self._deadline_moved = trio.Event()
+
+    async def enforce_deadline(self) -> None:
+        """The node's deadline timer: the moment the lease passes its local
+        deadline, every session under it is lost (connections closed, logged), not
+        at the next keepalive round, which may be stuck in a call to etcd for up to
+        ``--etcd-timeout``. Runs until cancelled."""
+        while True:
+            with trio.move_on_at(self.lease_deadline):
+                await self._deadline_moved.wait()
+                continue
+            self.check_expiry()
+            if self.calls.frozen and self.lease:
+                # A hand-over copies the books and keeps them as they are; the
+                # successor checks the lease before it serves on.
+                await self.calls.thawed()
+
+    def confirm(self, session: ClusterSession) -> None:
+        """Before anything held under the node's lease is confirmed to a client (a
+        grant, ``token``, ``renew``, a lock already held): the lease is within its
+        local deadline and the session was not lost. BackendUnavailable else."""
+        self.check_expiry()
+        if session.lost:
+            raise BackendUnavailable("session lost: this node's etcd lease ran out")
 
     async def wait_for_lease(self) -> None:
         """Return once the node has a lease, waiting up to the etcd deadline while
@@ -137,11 +207,12 @@ class SessionOwnership:
         self.current_lease()
 
     def check_expiry(self) -> None:
-        """If etcd may have expired the lease by now (no keepalive answered for a
-        whole TTL: a pause, an outage), the sessions' holds are no longer this
-        node's to promise: fail closed, and get a new lease."""
-        if trio.current_time() > self.lease_expires_at:
-            self.lease_gone("etcd was not reached for a whole session TTL")
+        """If the lease has passed its local deadline (no keepalive answered in time:
+        a pause, an outage, a partition), etcd may expire it at any moment and
+        another node grant its locks: the sessions' holds are no longer this node's
+        to promise. Fail closed, and get a new lease."""
+        if trio.current_time() >= self.lease_deadline:
+            self.lease_gone("etcd was not reached in time to keep the node's lease")
 
     def lease_gone(self, why: str) -> None:
         """etcd no longer has the node's lease, or may not: every session that wrote
@@ -150,9 +221,13 @@ class SessionOwnership:
         keepalive."""
         if self.calls.frozen or not self.lease:
             return
+        old = self.lease
         self.set_lease(0, math.inf)
         self.lose_all(why)
         self.calls.keeper_wanted.set()  # a new lease at once
+        # If etcd still has it (the node only lost touch), its entries would block
+        # their queues until etcd expires it: revoke it, if etcd answers in time.
+        self.calls.spawn(lambda: self.calls.revoke_quietly(old), "revoke a lapsed lease")
 
     def lose_all(self, why: str) -> None:
         """Every session that wrote to etcd is lost (see :meth:`lose`)."""
@@ -381,7 +456,12 @@ class SessionOwnership:
             return
         session.lost = True
         self.ledger.sessions_lost += 1
-        log.warning("session %s lost: %s; closing its connection", session.id[:8], why)
+        lost_log(
+            "session of %s (tag %d) lost: %s; closing its connection",
+            shown(session.peer),
+            session.tag,
+            why,
+        )
         now = trio.current_time()
         for hold in self.ledger.holds(session):
             self.ledger.drop(hold, now)
@@ -397,7 +477,12 @@ class SessionOwnership:
         if session.lost or self.calls.frozen:
             return
         session.lost = True  # for this node: nothing more may be done with it
-        log.warning("session %s taken over elsewhere (%s)", session.id[:8], why)
+        moved_log(
+            "session of %s (tag %d) taken over elsewhere (%s)",
+            shown(session.peer),
+            session.tag,
+            why,
+        )
         if session.tag:
             # Its entries are the new node's to move onto its lease: the sweep here
             # leaves them alone for a session TTL (longer than any takeover).

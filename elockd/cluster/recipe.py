@@ -21,6 +21,7 @@ that waits for the answer.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 
 import trio
@@ -49,6 +50,8 @@ from elockd.cluster.mirror import (
 )
 from elockd.cluster.ownership import SessionOwnership
 from elockd.sessions import Session
+
+log = logging.getLogger("elockd.cluster")
 
 #: Guarded puts per txn: etcd's default --max-txn-ops is 128.
 PUTS_PER_TXN = 64
@@ -86,6 +89,8 @@ class LockRecipe:
         ``wait`` seconds.
         """
         table = session.shared if kind == SHARED else session.exclusive
+        if session.tag:
+            self.ownership.confirm(session)  # what it holds is confirmed below
         missing = list(dict.fromkeys(k for k in keys if k not in table))
         now = trio.current_time()
         for key in keys:
@@ -329,6 +334,8 @@ class LockRecipe:
                     if not calls.frozen:
                         break
                     await calls.thawed()
+            if waiter.state == GRANTED and not self._still_ours(session, entries, revision):
+                waiter.state = LOST
         finally:
             ledger.local_waiting -= 1
             self.mirror.remove_waiter(waiter)
@@ -358,10 +365,42 @@ class LockRecipe:
         if waiter.state == GRANTED:
             ranks = {key: self._rank_of(entry) for key, entry in zip(keys, entries, strict=True)}
             return self._granted(session, kind, keys, revision, ttl, now, ranks, waited=True)
+        if session.lost:
+            raise BackendUnavailable("session lost: this node's etcd lease ran out")
         ledger.timeouts += 1
         if kind == SHARED:
             return Grant(False, await self._holders(keys[0]))
         return Grant(False, blocked=[k for k in keys if self._held_by_other(session, k)])
+
+    def _check_token_order(self, keys: list[bytes], revision: int) -> None:
+        """The tripwire under the grant rule: a key's fencing tokens never go back.
+        A grant below a hold the mirror has seen come and go is refused, loudly."""
+        key = self.mirror.granted_after(keys, revision)
+        if key is not None:
+            held = self.mirror.queues[(EXCLUSIVE, key)].held_up_to
+            log.error(
+                "refused a grant of %r at revision %d: revision %d held it already "
+                "(its fencing token would go back)",
+                key[:200],
+                revision,
+                held,
+            )
+            raise BackendUnavailable("refused a grant whose fencing token would go back")
+
+    def _still_ours(self, session: ClusterSession, entries: list[bytes], revision: int) -> bool:
+        """A grant the mirror gave: is each entry still the one this request's own
+        txn created, on the node's current lease? The mirror shows etcd as of its
+        revision, which may trail etcd (a slow or replayed watch); the lease being
+        within its local deadline (checked by :meth:`_granted`) is what proves etcd
+        has not expired the entries since."""
+        self.ownership.check_expiry()
+        if session.lost or not self.ownership.lease:
+            return False
+        for etcd_key in entries:
+            found = self.mirror.entry(etcd_key)
+            if found is None or found.revision != revision or found.lease != self.ownership.lease:
+                return False
+        return True
 
     def _held_by_other(self, session: ClusterSession, key: bytes) -> bool:
         queue = self.mirror.queues.get((EXCLUSIVE, key))
@@ -381,6 +420,11 @@ class LockRecipe:
         *,
         waited: bool,
     ) -> Grant:
+        # The moment of the grant: only under a lease within its local deadline,
+        # and never with a token below one this node saw hold the lock before.
+        self.ownership.confirm(session)
+        if kind == EXCLUSIVE:
+            self._check_token_order(keys, revision)
         for key in keys:
             hold = self.ledger.record_hold(session, kind, key, revision, now, ranks[key])
             if ttl is not None:
@@ -400,6 +444,7 @@ class LockRecipe:
         :mod:`.mirror`): False when the entry is gone (the session was lost) or the
         session is another node's now (the put would move the entry back here)."""
         value = entry_value(limit, ttl, session.owner, held=True, peer=session.peer)
+        self.ownership.confirm(session)
         lease = self.ownership.current_lease()
         result = await self.calls.etcd(
             self.client.txn(

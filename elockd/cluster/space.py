@@ -278,9 +278,11 @@ class ClusterLockSpace:
         return Later(lambda: self.recipe.release_all(_ours(session)))
 
     def renew(self, session: Session, key: bytes, now: float, ttl: float) -> bool:
+        self.ownership.check_expiry()  # past it, the session's holds are gone
         return self.recipe.renew(session, key, ttl)
 
     def token(self, session: Session, key: bytes) -> int | None:
+        self.ownership.check_expiry()  # past it, the session's holds are gone
         hold = session.exclusive.get(key)
         return None if hold is None else hold.token
 

@@ -50,6 +50,7 @@ from elockd.memory import MemoryBackend
 from elockd.pause import Parked
 from elockd.protocol import Service
 from elockd.startup import StartupError
+from elockd.tcp_silence import keepalive_bound
 from elockd.transport import Closer, SocketTransport
 from elockd.unix_socket import open_unix_socket
 
@@ -339,6 +340,7 @@ async def _receive_everything(
         restorer = reader(service, trio.current_time() - elapsed)
         transports: dict[int, SocketTransport] = {}
         send_timeout = service.config.send_timeout
+        bound = keepalive_bound(service.config.keepalive)
         while not restorer.ended:
             record, fds = await channel.receive()
             if record.get("t") == "aborted":
@@ -351,7 +353,9 @@ async def _receive_everything(
                     raise StateError("connections and descriptors do not match")
                 for place, fd in zip(movable, fds, strict=True):
                     sock = socket.socket(fileno=fd)
-                    transports[place] = SocketTransport(sock, send_timeout, closer)
+                    # A user timeout the old process lowered for a late reply stays
+                    # so until this one replies late there again (it is only stricter).
+                    transports[place] = SocketTransport(sock, send_timeout, closer, bound)
             restorer.feed(record)
         connections = restorer.connections(dict(transports))
     except (ChannelError, StateError, KeyError, TypeError, ValueError) as error:
