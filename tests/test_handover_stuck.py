@@ -18,6 +18,7 @@ import trustme
 from elockd.pause import Pause
 from elockd.transport import UNSENT_LIMIT, SocketTransport
 from tests.cluster_nodes import Nodes
+from tests.hostile_tools import free_port
 from tests.polling import until_waiting
 from tests.server_process import stop_server
 from tests.test_handover import (
@@ -31,6 +32,7 @@ from tests.test_handover import (
     tls_connect,
     wait_exit,
 )
+from tests.websocket_tools import RawWebSocket, masked_frame
 
 #: The stuck client's receive buffer: the kernel doubles it and keeps a floor.
 TINY_BUFFER = 4096
@@ -345,3 +347,64 @@ async def test_a_stuck_client_of_a_cluster_node_is_carried_with_its_replies(
             assert await ask(holder, b"i key-49" + b"k" * 1000) == b"1 Locked\r\n"
         finally:
             stop_server(new)
+
+
+async def websocket_zombie(http_port: int, key: str) -> RawWebSocket:
+    """A WebSocket client (4 KiB receive buffer) that takes ``key``, then sends ``q``
+    messages without reading, until the server has read none of them for 0.5 s: it
+    is then stuck sending to it. The client stays connected."""
+    zombie = await RawWebSocket.connect("127.0.0.1", http_port, receive_buffer=TINY_BUFFER)
+    assert await zombie.ask(f"g {key}") == "1 Got Lock\r\n"
+    flood = masked_frame(b"q") * 1000
+    with trio.fail_after(30):
+        while True:
+            with trio.move_on_after(0.5) as blocked:
+                await zombie.sock.send(flood)
+            if blocked.cancelled_caught:
+                return zombie
+
+
+async def test_a_websocket_zombie_ends_at_the_pause_and_the_hand_over_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A WebSocket does not move (it closes at a hand-over, its session kept for its
+    grace): one stuck sending to a client that does not read ends within
+    STREAM_SEND_GRACE of the pause, as its send timeout would end it, instead of
+    failing the hand-over (the default --send-timeout is 30 s)."""
+    control = tmp_path / "control.sock"
+    http_port = free_port()
+    with old_server(control, "--metrics-port", str(http_port)) as (old, port):
+        holder = await connect(port)
+        assert await ask(holder, b"g kept") == b"1 Got Lock\r\n"
+        zombie = await websocket_zombie(http_port, "zombie-key")
+        new = await trio.to_thread.run_sync(lambda: take_over(control))
+        try:
+            assert await wait_exit(old, 10) == 0
+            assert await ask(holder, b"i kept") == b"1 Locked\r\n"
+            assert await ask(holder, b"i zombie-key") == b"0 Not Locked\r\n"
+        finally:
+            zombie.close()
+            stop_server(new)
+
+
+@pytest.mark.serial
+async def test_one_websocket_zombie_among_a_thousand_keeps_the_pause_under_100_ms(
+    tmp_path: Path,
+) -> None:
+    control = tmp_path / "control.sock"
+    http_port = free_port()
+    flags = ("--max-connections", "2000", "--metrics-port", str(http_port))
+    with old_server(control, *flags) as (old, port):
+        crowd = await crowd_holding_a_lock_each(port)
+        zombie = await websocket_zombie(http_port, "zombie-key")
+        new_log: list[str] = []
+        new, probe = await take_over_under_probe(control, old, port, new_log)
+        try:
+            await crowd[999].send_all(b"i crowd-999\n")  # the same connection, carried
+            assert await crowd[999].receive_some(100) == b"1 Locked\r\n"
+        finally:
+            zombie.close()
+            stop_server(new)
+    print(f"probe worst {probe.worst * 1000:.1f} ms")
+    print("".join(line for line in new_log if "took over" in line))
+    assert probe.worst < 0.1, probe.worst
