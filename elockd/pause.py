@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 #: WebSocket message) may still wait for its client before it counts as stuck. A
 #: client keeping up finishes well within it; one that does not read holds the
 #: pause up by this much at most.
-STREAM_SEND_GRACE = 0.02
+STREAM_SEND_GRACE = 0.01
 
 
 class Interrupted(Exception):
