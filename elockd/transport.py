@@ -51,7 +51,11 @@ class Transport(Protocol):
     async def receive(self) -> bytes:
         """The next chunk, or b"" once the peer is gone."""
 
-    async def send(self, data: bytes) -> None: ...
+    async def send(self, data: bytes) -> None:
+        """Send ``data``; BrokenResourceError when the peer is gone or took nothing
+        for ``--send-timeout``. During a hand-over's pause a send its client does
+        not take stops at once (:meth:`~elockd.pause.Pause.stall_scope`): a socket
+        returns owing the rest, which moves with it; a stream ends."""
 
     async def send_stream(self, chunks: Iterable[bytes]) -> None:
         """Send a reply that grows with the tables, a chunk at a time: each chunk is
