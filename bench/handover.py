@@ -5,7 +5,10 @@
 starts an elockd with ``--control-socket``, opens CONNECTIONS connections that take
 LOCKS locks each (tests/crowd.py, in a process of its own), runs a probe doing
 ``g``/``r`` every 5 ms on a connection of its own, then starts ``elockd --take-over``
-and waits until the old process has exited. It prints the pause the probe saw (its
+and waits until the old process has exited. With ``--stuck N``, N more clients
+have sent ``d``/``q`` requests with a tiny receive buffer and read nothing, until
+the server stopped reading them (docs/upgrade.md, "A client that does not read").
+It prints the pause the probe saw (its
 longest round trip), the pause the new process logged (from the old one's pausing
 to its own first request served), the hand-over's wall time from starting the new
 process, and checks that every lock is still held afterwards.
@@ -35,6 +38,30 @@ def start(args: list[str], lines: list[str]) -> tuple[subprocess.Popen[str], int
     return start_server(*args, log=lines)
 
 
+#: A stuck client's requests: ``d`` and ``q`` padded with blanks the server ignores.
+STUCK_REQUESTS = b"d" + b" " * 3999 + b"\n" + b"q" + b" " * 3999 + b"\n"
+
+
+def stuck_client(port: int) -> socket.socket:
+    """A client with a tiny receive buffer that sends requests without reading a
+    byte, until its sends have been blocked for 0.5 s: the server is then stuck
+    in a send to it and reads it no more."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    blocked_since = None
+    while True:
+        try:
+            sock.send(STUCK_REQUESTS)
+            blocked_since = None
+        except BlockingIOError:
+            blocked_since = blocked_since or time.monotonic()
+            if time.monotonic() - blocked_since > 0.5:
+                return sock
+            time.sleep(0.02)
+
+
 class Probe(threading.Thread):
     """g/r round trips every 5 ms: (when it was sent, how long it took)."""
 
@@ -61,6 +88,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", type=int, default=1000)
     parser.add_argument("--locks", type=int, default=1, help="locks per connection")
+    parser.add_argument("--stuck", type=int, default=0, help="clients that never read")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         control = str(Path(scratch) / "control.sock")
@@ -89,13 +117,18 @@ def main() -> int:
         assert crowd.stdout is not None
         if crowd.stdout.readline().strip() != "ready":
             raise SystemExit("the crowd did not get its locks")
+        stuck = [stuck_client(port) for _ in range(options.stuck)]
         probe = Probe(port)
         probe.start()
         time.sleep(0.5)
         new_lines: list[str] = []
         began = time.monotonic()
-        new, _ = start(["--take-over", control, *limits], new_lines)
-        status = old.wait(timeout=60)
+        new: subprocess.Popen[str] | None = None
+        try:
+            new, _ = start(["--take-over", control, *limits], new_lines)
+            status: int | str = old.wait(timeout=60)
+        except RuntimeError:  # the new process exited: the hand-over failed
+            status = "still serving: the hand-over failed"
         wall = time.monotonic() - began
         time.sleep(0.5)
         probe.running = False
@@ -107,11 +140,15 @@ def main() -> int:
             reply += check.recv(65536)
         locks = int(re.search(rb"\nlocks: (\d+)", reply)[1])  # type: ignore[index]
         crowd.kill()
-        new.kill()
-        new.wait()
+        for sock in stuck:
+            sock.close()
+        for process in (old, new):
+            if process is not None:
+                process.kill()
+                process.wait()
     logged = next((line.strip() for line in new_lines if "took over" in line), "(not logged)")
     worst_at, worst = max(probe.samples, key=lambda sample: sample[1])
-    print(f"{options.connections} connections x {options.locks} locks")
+    print(f"{options.connections} connections x {options.locks} locks, {options.stuck} stuck")
     print(f"old process exit status: {status}")
     print(f"probe: worst round trip {worst * 1000:.1f} ms over {len(probe.samples)}")
     print(f"new process: {logged.split('[info] ', 1)[-1]}")

@@ -17,6 +17,13 @@ are already at rest, and with no lock on the hot path:
   waiting in the engine: the waiter moves with the state, and whoever serves the
   connection next sends its reply.
 
+* a connection whose client does not take its replies (a send waiting for room in
+  the socket) is not left to hold everyone else: the pause interrupts the wait
+  (:meth:`Pause.stall_scope`). A socket keeps what it could not send as bytes the
+  connection owes, carried with it and sent first by whoever serves it next; a
+  stream that cannot tell what went out (TLS, a WebSocket message) gets
+  :data:`STREAM_SEND_GRACE` to finish, then ends as its send timeout would end it.
+
 Then the decision: :meth:`Pause.resume` (the hand-over failed; every connection goes
 on as if nothing had happened) or :meth:`Pause.hand_over` (the successor serves them
 now; their tasks end without closing anything). Waking 1,000 idle connections to
@@ -25,6 +32,8 @@ park them cost 60 ms of the pause; counting them as they rest costs nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +43,13 @@ if TYPE_CHECKING:
     from elockd.framing import LineReader
     from elockd.protocol import Connection, Outcome
     from elockd.transport import Transport
+
+
+#: Once a pause is requested, how long a send that cannot be split (a TLS record, a
+#: WebSocket message) may still wait for its client before it counts as stuck. A
+#: client keeping up finishes well within it; one that does not read holds the
+#: pause up by this much at most.
+STREAM_SEND_GRACE = 0.01
 
 
 class Interrupted(Exception):
@@ -95,6 +111,9 @@ class Pause:
         self.parked: dict[int, Parked] = {}
         #: Connections resting in a wait right now (see :meth:`idle`).
         self.idle: set[Parked] = set()
+        #: Sends waiting for their client right now, each with the grace it has
+        #: once a pause is requested (see :meth:`stall_scope`).
+        self.sending: dict[trio.CancelScope, float] = {}
         self._decided = trio.Event()
         self._handed_over = False
         self._changed = trio.Event()
@@ -111,6 +130,9 @@ class Pause:
         self.requested = True
         self._handed_over = False
         self._decided = trio.Event()
+        now = trio.current_time()
+        for scope, grace in self.sending.items():
+            scope.deadline = min(scope.deadline, now + grace)
 
     def resting(self) -> list[Parked]:
         """Every connection at rest now: parked, or idle in a wait."""
@@ -136,6 +158,20 @@ class Pause:
         self._decided.set()
 
     # ------------------------------------------------------------ the connections
+
+    @contextmanager
+    def stall_scope(self, deadline: float, grace: float) -> Iterator[trio.CancelScope]:
+        """A cancel scope for a send waiting for its client: it ends at ``deadline``
+        (the send timeout), or ``grace`` after a pause is requested, before the wait
+        or during it. The caller tells which by :attr:`requested`."""
+        if self.requested:
+            deadline = min(deadline, trio.current_time() + grace)
+        with trio.CancelScope(deadline=deadline) as scope:
+            self.sending[scope] = grace
+            try:
+                yield scope
+            finally:
+                del self.sending[scope]
 
     async def park(self, rest: Parked) -> None:
         """Rest until the decision: return to go on, or raise :class:`HandedOver`."""

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import trio
 
-from elockd.pause import NEVER, Interrupted, Parked, Pause
+from elockd.pause import NEVER, STREAM_SEND_GRACE, Interrupted, Parked, Pause
 from elockd.tcp_silence import lower_user_timeout, set_user_timeout, silent_for
 
 RECEIVE_SIZE = 65536
@@ -33,6 +33,11 @@ RESTORE_SLICE = 256
 #: While a request waits, bytes read ahead of it are kept up to this much; past it
 #: we stop reading (the client is alive and pipelining; TCP pushes back on it).
 READ_AHEAD_LIMIT = 1 << 20
+#: Replies a connection may owe when a hand-over's pause finds its client not
+#: reading: they move with it (docs/upgrade.md). A connection that would owe more
+#: (a dump of a big table, made once the pause came) ends instead, as its send
+#: timeout would end it: the same bound as what it may have sent ahead.
+UNSENT_LIMIT = READ_AHEAD_LIMIT
 
 
 class Transport(Protocol):
@@ -46,7 +51,11 @@ class Transport(Protocol):
     async def receive(self) -> bytes:
         """The next chunk, or b"" once the peer is gone."""
 
-    async def send(self, data: bytes) -> None: ...
+    async def send(self, data: bytes) -> None:
+        """Send ``data``; BrokenResourceError when the peer is gone or took nothing
+        for ``--send-timeout``. During a hand-over's pause a send its client does
+        not take stops at once (:meth:`~elockd.pause.Pause.stall_scope`): a socket
+        returns owing the rest, which moves with it; a stream ends."""
 
     async def send_stream(self, chunks: Iterable[bytes]) -> None:
         """Send a reply that grows with the tables, a chunk at a time: each chunk is
@@ -168,13 +177,18 @@ class SocketTransport(_ReadAhead):
     once no byte went out for this long, so its backlog cannot grow. The deadline
     moves whenever bytes go out, so a big reply read slowly but steadily is not cut.
 
+    What a send could not send at once waits in :attr:`unsent`, and goes out before
+    anything else. A hand-over's pause interrupts a send waiting for its client: the
+    bytes stay in :attr:`unsent`, the connection parks owing them, and they move
+    with it (or go out first once a failed hand-over resumes it).
+
     ``bound`` (seconds; 0 for none) is how long after its peer was last heard a TCP
     connection dies (``TCP_USER_TIMEOUT``, set by ``tune_accepted``): a late reply
     lowers it to what is left of that (:meth:`replying_late`), and the whole bound
     applies again once the peer is heard from. ``lowered`` says it is lowered now.
     """
 
-    __slots__ = ("bound", "closer", "lowered", "lowered_at", "send_timeout", "sock")
+    __slots__ = ("bound", "closer", "lowered", "lowered_at", "send_timeout", "sock", "unsent")
 
     def __init__(
         self,
@@ -188,6 +202,7 @@ class SocketTransport(_ReadAhead):
         self.sock = sock
         self.send_timeout = send_timeout
         self.closer = closer
+        self.unsent = bytearray()
         self.bound = bound if sock.family in (socket.AF_INET, socket.AF_INET6) else 0.0
         self.lowered = False
         self.lowered_at = 0.0
@@ -239,6 +254,8 @@ class SocketTransport(_ReadAhead):
         if self._read_ahead:
             data, self._read_ahead = self._read_ahead, b""
             return data
+        if self.unsent:  # replies owed from before a hand-over's pause
+            await self._flush()
         await trio.lowlevel.checkpoint()
         if self.pause.requested:
             raise Interrupted
@@ -254,6 +271,12 @@ class SocketTransport(_ReadAhead):
 
     async def _receive_raw(self) -> bytes:
         sock, pause, rest = self.sock, self.pause, self.rest
+        if self.unsent:
+            await self._flush()
+            if self.unsent:
+                # Paused while it still owes replies: it parks rather than rests in
+                # the wait, so that a failed hand-over wakes it to send them.
+                raise Interrupted
         while True:
             if rest is not None:
                 pause.idle.add(rest)
@@ -274,24 +297,47 @@ class SocketTransport(_ReadAhead):
             return data
 
     async def send(self, data: bytes) -> None:
-        sock = self.sock
-        view = memoryview(data)
-        deadline = math.inf
-        while view:
+        if not self.unsent:
+            # The common send: all of it at once, no buffer, no cancel scope.
             try:
-                sent = sock.send(view)
-                deadline = math.inf  # progress: the next stall gets a fresh deadline
+                sent = self.sock.send(data)
             except BlockingIOError:
-                # The slow path only: the common send never builds a cancel scope.
+                sent = 0
+            except OSError as error:
+                raise trio.BrokenResourceError from error
+            if sent == len(data):
+                return
+            self.unsent += memoryview(data)[sent:]
+        else:
+            self.unsent += data
+        if self.pause.requested and len(self.unsent) > UNSENT_LIMIT:
+            raise trio.BrokenResourceError("send timed out: peer not reading at a hand-over")
+        await self._flush()
+
+    async def _flush(self) -> None:
+        """Send :attr:`unsent` until it is all out; return early, keeping the rest,
+        when a hand-over's pause finds the client not reading. Cancelled, it keeps
+        what is left too."""
+        sock, unsent, pause = self.sock, self.unsent, self.pause
+        deadline = math.inf
+        while unsent:
+            try:
+                sent = sock.send(unsent)
+            except BlockingIOError:
+                if pause.requested:
+                    return  # stuck at a hand-over: what is left moves with the connection
                 if deadline == math.inf:
                     deadline = trio.current_time() + self.send_timeout
-                with trio.move_on_at(deadline):
+                with pause.stall_scope(deadline, 0.0):
                     await trio.lowlevel.wait_writable(sock)
                     continue
+                if pause.requested:
+                    return
                 raise trio.BrokenResourceError("send timed out: peer not reading") from None
             except OSError as error:
                 raise trio.BrokenResourceError from error
-            view = view[sent:]
+            del unsent[:sent]
+            deadline = math.inf  # progress: the next stall gets a fresh deadline
 
     async def aclose(self) -> None:
         if self.closer is None:
@@ -389,9 +435,13 @@ class StreamTransport(_ReadAhead):
         return data
 
     async def send(self, data: bytes) -> None:
-        view = memoryview(data)
+        """Each piece within ``send_timeout``; once a hand-over's pause is requested,
+        within :data:`~elockd.pause.STREAM_SEND_GRACE` (a stream cannot say what of a
+        piece went out, so a stuck one ends rather than move)."""
+        view, pause = memoryview(data), self.pause
         for start in range(0, len(view), STREAM_SEND_PIECE):
-            with trio.move_on_after(self.send_timeout) as stalled:
+            deadline = trio.current_time() + self.send_timeout
+            with pause.stall_scope(deadline, STREAM_SEND_GRACE) as stalled:
                 await self.stream.send_all(view[start : start + STREAM_SEND_PIECE])
             if stalled.cancelled_caught:
                 raise trio.BrokenResourceError("send timed out: peer not reading")

@@ -59,7 +59,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from elockd.pause import NEVER, Interrupted, Parked
+from elockd.pause import NEVER, STREAM_SEND_GRACE, Interrupted, Parked
 from elockd.protocol import Service
 from elockd.serving import ConnectionSlots, peer_name, serve_connection
 from elockd.transport import READ_AHEAD_LIMIT, RECEIVE_SIZE, Closer, rest_forever
@@ -285,7 +285,8 @@ class WebSocketTransport:
 
     async def _flush(self) -> None:
         """Send what is pending. ``--send-timeout`` bounds how long a send may make
-        no progress (the deadline moves whenever bytes go out). What went out is
+        no progress (the deadline moves whenever bytes go out), and a hand-over's
+        pause :data:`~elockd.pause.STREAM_SEND_GRACE`. What went out is
         taken off at once, so a flush cancelled half-way leaves the rest for the
         next one and never a torn frame."""
         sock, pending = self.sock, self._pending
@@ -297,7 +298,10 @@ class WebSocketTransport:
             except BlockingIOError:
                 if deadline == math.inf:
                     deadline = trio.current_time() + self.send_timeout
-                with trio.move_on_at(deadline):
+                # A hand-over's pause gives it STREAM_SEND_GRACE more: a WebSocket
+                # does not move (docs/upgrade.md), and a client that does not read
+                # must not hold everyone else frozen.
+                with self.pause.stall_scope(deadline, STREAM_SEND_GRACE):
                     await trio.lowlevel.wait_writable(sock)
                     continue
                 self._gone = True

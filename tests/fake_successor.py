@@ -54,7 +54,7 @@ def main() -> int:
         reply = receive(sock, buffer)
         print(reply)
         return 0 if reply is not None and reply.get("t") == "refused" else 1
-    send(sock, {"t": "hello", "format": "elockd-state", "versions": [1]})
+    send(sock, {"t": "hello", "format": "elockd-state", "versions": [2]})
     while (message := receive(sock, buffer)) is not None and message.get("t") != "end":
         pass
     if message is None:

@@ -22,7 +22,7 @@ import trio
 import trustme
 
 from tests.conftest import LineClient
-from tests.hostile_tools import latency_probe
+from tests.hostile_tools import Probe, latency_probe
 from tests.polling import eventually, resumed, until_waiting
 from tests.server_process import start_server, stop_server
 
@@ -118,6 +118,15 @@ class GetReleaseLoop:
         return new, took
 
 
+async def run_fake_successor(control: Path, how: str) -> None:
+    """tests/fake_successor.py doing ``how`` to the server at ``control``: it must
+    have done what it was told."""
+    fake = await trio.run_process(
+        [sys.executable, FAKE_SUCCESSOR, str(control), how], capture_stdout=True, check=False
+    )
+    assert fake.returncode == 0, fake.stdout
+
+
 def take_over(control: Path, *args: str, log: list[str] | None = None) -> subprocess.Popen[str]:
     process, _ = start_server("--take-over", str(control), *args, log=log)
     return process
@@ -171,12 +180,7 @@ async def test_a_successor_of_an_unknown_version_is_refused_and_nothing_changes(
     with old_server(control, log=log) as (old, port):
         holder = await connect(port)
         assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
-        fake = await trio.run_process(
-            [sys.executable, FAKE_SUCCESSOR, str(control), "wrong-version"],
-            capture_stdout=True,
-            check=False,
-        )
-        assert fake.returncode == 0, fake.stdout
+        await run_fake_successor(control, "wrong-version")
         assert old.poll() is None
         assert await ask(holder, b"i k1") == b"1 Locked\r\n"
         assert await ask(holder, b"g k2") == b"1 Got Lock\r\n"
@@ -193,12 +197,7 @@ async def test_a_successor_that_fails_leaves_the_old_one_serving(tmp_path: Path,
         holder, waiter, piper = [await connect(port) for _ in range(3)]
         assert await ask(holder, b"g k1") == b"1 Got Lock\r\n"
         await waiter.send(b"lock k1 30\n")
-        fake = await trio.run_process(
-            [sys.executable, FAKE_SUCCESSOR, str(control), how],
-            capture_stdout=True,
-            check=False,
-        )
-        assert fake.returncode == 0, fake.stdout
+        await run_fake_successor(control, how)
         assert old.poll() is None
         # Pipelined requests during and after the attempt are all answered in order.
         await piper.send(b"g p1\ng p2\nr p1\n")
@@ -341,6 +340,34 @@ async def test_elockctl_upgrade_reports_a_successor_that_cannot_start(tmp_path: 
         assert old.poll() is None
 
 
+async def crowd_holding_a_lock_each(port: int, count: int = 1000) -> list[trio.SocketStream]:
+    """``count`` connections, the N-th holding ``crowd-N``."""
+    crowd = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(count)]
+    for index, stream in enumerate(crowd):
+        await stream.send_all(b"g crowd-%d\n" % index)
+    for stream in crowd:
+        assert await stream.receive_some(100) == b"1 Got Lock\r\n"
+    return crowd
+
+
+async def take_over_under_probe(
+    control: Path, old: subprocess.Popen[str], port: int, log: list[str]
+) -> tuple[subprocess.Popen[str], Probe]:
+    """A successor takes ``old`` over (which must exit 0) while a probe does g/r every
+    5 ms: the successor, and the probe, whose longest round trip is the pause
+    clients saw."""
+    async with latency_probe(port) as probe:
+        await trio.sleep(0.2)
+        new = await trio.to_thread.run_sync(lambda: take_over(control, log=log))
+        try:
+            assert await wait_exit(old, 10) == 0
+            await trio.sleep(0.2)
+        except BaseException:
+            stop_server(new)
+            raise
+    return new, probe
+
+
 @pytest.mark.serial
 async def test_the_pause_with_a_thousand_connections_stays_under_100_ms(tmp_path: Path) -> None:
     """1,000 connections each holding a lock, and a probe doing g/r every 5 ms: the
@@ -348,24 +375,14 @@ async def test_the_pause_with_a_thousand_connections_stays_under_100_ms(tmp_path
     control = tmp_path / "control.sock"
     old_log: list[str] = []
     with old_server(control, "--max-connections", "2000", log=old_log) as (old, port):
-        crowd = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(1000)]
-        for index, stream in enumerate(crowd):
-            await stream.send_all(b"g crowd-%d\n" % index)
-        for stream in crowd:
-            assert await stream.receive_some(100) == b"1 Got Lock\r\n"
+        crowd = await crowd_holding_a_lock_each(port)
         new_log: list[str] = []
-        async with latency_probe(port) as probe:
-            await trio.sleep(0.2)
-            new = await trio.to_thread.run_sync(lambda: take_over(control, log=new_log))
-            try:
-                assert await wait_exit(old, 10) == 0
-                await trio.sleep(0.2)
-            except BaseException:
-                stop_server(new)
-                raise
+        new, probe = await take_over_under_probe(control, old, port, new_log)
         try:
             fresh = await connect(port)
             assert await ask(fresh, b"i crowd-999") == b"1 Locked\r\n"
+            await crowd[999].send_all(b"r crowd-999\n")  # the same connection, carried
+            assert await crowd[999].receive_some(100) == b"1 Released Lock\r\n"
         finally:
             stop_server(new)
     print(f"probe worst {probe.worst * 1000:.1f} ms over {probe.count} round trips")

@@ -38,6 +38,7 @@ import trio
 from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
 from elockd.handover.records import (
     FORMAT,
+    READABLE,
     VERSION,
     ConnectionState,
     Dump,
@@ -307,7 +308,7 @@ async def take_over(path: str, service: Service, closer: Closer) -> TakenOver:
 async def _receive_everything(
     path: str, channel: Channel, service: Service, closer: Closer
 ) -> TakenOver:
-    await channel.send({"t": "hello", "format": FORMAT, "versions": [VERSION]})
+    await channel.send({"t": "hello", "format": FORMAT, "versions": list(READABLE)})
     try:
         header, fds = await channel.receive()
         if header.get("t") == "refused":
@@ -316,7 +317,7 @@ async def _receive_everything(
             raise StartupError(f"--take-over {path}: the old process aborted: {header.get('why')}")
         if header.get("t") != "header" or header.get("format") != FORMAT:
             raise StartupError(f"--take-over {path}: not an elockd control socket")
-        if header.get("version") != VERSION:
+        if header.get("version") not in READABLE:
             for fd in fds:
                 os.close(fd)
             await _try_send(
@@ -324,7 +325,8 @@ async def _receive_everything(
             )
             raise StartupError(
                 f"--take-over {path}: state version {header.get('version')} is unknown "
-                f"(this elockd reads version {VERSION}); the old process serves on"
+                f"(this elockd reads versions {', '.join(map(str, READABLE))}); "
+                "the old process serves on"
             )
         listeners = _listeners(header["listeners"], fds, service)
         theirs, ours = header.get("backend", "memory"), backend_kind(service)

@@ -23,10 +23,15 @@ from elockd.sessions import Session
 from elockd.transport import Transport
 from elockd.word import WAIT_REPLIES
 
-#: What the stream is, and the versions of it this code reads and writes. A
-#: successor refuses any other version, and the old server then serves on.
+#: What the stream is, the version of it this code writes, and the versions it
+#: reads. An old server refuses a successor that does not read its version, and a
+#: successor refuses a version it does not read; either way the old server serves
+#: on. Version 2 added the replies a connection still owes (``unsent``): a successor
+#: that would drop them unread must not take the state, so a version-1 successor is
+#: refused. A version-1 state is a version-2 one without them.
 FORMAT = "elockd-state"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
 
 #: Rows per record: a record stays well under a megabyte even with long keys.
 BATCH = 2000
@@ -218,6 +223,9 @@ def connection_records(
                 "partial": text(bytes(reader._partial)),
                 "discarding": reader._discarding,
                 "read_ahead": text(getattr(parked.transport, "read_ahead", b"")),
+                # Replies it owes a client that was not reading when the pause came:
+                # they go out before anything else.
+                "unsent": text(bytes(getattr(parked.transport, "unsent", b""))),
             }
         )
         if len(rows) == CONNECTIONS_BATCH:
@@ -262,6 +270,8 @@ def rebuild_connections(
         reader._discarding = record["discarding"]
         transport = transports[fd]
         transport.read_ahead = raw(record["read_ahead"])  # type: ignore[attr-defined]
+        if record.get("unsent"):  # none in a version-1 state
+            transport.unsent[:] = raw(record["unsent"])  # type: ignore[attr-defined]
         served.append(Parked(conn, reader, transport, peer, backlog))
     for _, conn in sorted(named, key=lambda pair: pair[0]):
         service.named[conn] = None
