@@ -203,14 +203,23 @@ class ClusterNode:
         call since the last round (KEEPALIVE_RETRY after it): a keepalive that failed
         is tried again soon, since everything of the node's sessions hangs on the
         lease, and a free that etcd refused is swept as soon as etcd answers, so that
-        its key is free again within moments of etcd's return."""
+        its key is free again within moments of etcd's return. After a failure the
+        rounds go on every KEEPALIVE_RETRY for two etcd deadlines once etcd answers
+        again: a write etcd refused may still commit when its members come back (the
+        leader kept it in its log), and its entry reaches the mirror only then."""
         period = self.session_ttl / 3
         ownership, calls = self.ownership, self.calls
         last_round = trio.current_time()  # the lease was just granted
         failed = False
+        settle_until = -math.inf  # rounds come every KEEPALIVE_RETRY until then
         while True:
-            with trio.move_on_at(last_round + period):
+            next_round = last_round + period
+            if last_round < settle_until:
+                next_round = last_round + KEEPALIVE_RETRY
+            with trio.move_on_at(next_round):
                 await calls.keeper_wanted.wait()
+            if calls.keeper_wanted.is_set():  # something failed since the last round
+                settle_until = trio.current_time() + 2 * self.client.deadline
             if failed or ownership.lease:
                 # Only a lease just lost hurries: never more often than
                 # KEEPALIVE_RETRY otherwise, however many calls fail meanwhile.
