@@ -27,14 +27,14 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from elockd.cluster.etcd_client import KeyValue
-from elockd.cluster.layout import EXCLUSIVE, SHARED, entry_value
-from elockd.cluster.space import ClusterLockSpace
-from elockd.commands import COMMANDS
-from elockd.config import Config
-from elockd.memory import MemoryBackend
-from elockd.metrics import make_registry
-from elockd.protocol import Service
+from elockd.backend.cluster.etcd.client import KeyValue
+from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, entry_value
+from elockd.backend.cluster.space import ClusterLockSpace
+from elockd.backend.memory import MemoryBackend
+from elockd.daemon.config import Config
+from elockd.net.metrics import make_registry
+from elockd.protocol.commands import COMMANDS
+from elockd.protocol.connection import Service
 
 LOCKS = 1_000_000
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from elockd.cli import main
+from elockd.daemon.main import main
 
 sys.exit(main())

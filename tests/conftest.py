@@ -1,6 +1,6 @@
 """Shared fixtures: an in-process server on a free loopback port, and a line client.
 
-``server`` runs :func:`elockd.server.serve` inside the test's own trio run, so a
+``server`` runs :func:`elockd.daemon.server.serve` inside the test's own trio run, so a
 test that asks for ``mock_clock`` (pytest-trio's ``trio.testing.MockClock``) gets
 exact, instant leases, waits and grace periods over real TCP.
 
@@ -25,9 +25,9 @@ import trio
 import trio.testing
 import trustme
 
-from elockd.config import Config
-from elockd.protocol import Service
-from elockd.server import make_service, serve
+from elockd.daemon.config import Config
+from elockd.daemon.server import make_service, serve
+from elockd.protocol.connection import Service
 from tests.cluster_nodes import Nodes
 from tests.etcd_cluster import EtcdCluster
 from tests.server_process import start_server, stop_server

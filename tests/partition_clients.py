@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from elockd.cluster.etcd_client import EtcdClient, prefix_end
+from elockd.backend.cluster.etcd.client import EtcdClient, prefix_end
 from tests.partition_lab import BROKEN, LabNode
 from tests.safety import Report, check
 

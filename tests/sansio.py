@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from elockd.commands import COMMANDS
-from elockd.config import Config
-from elockd.memory import MemoryBackend, Wait
-from elockd.protocol import Delayed, Outcome, Reply, Service, Streamed
+from elockd.backend.memory import MemoryBackend, Wait
+from elockd.daemon.config import Config
+from elockd.protocol.commands import COMMANDS
+from elockd.protocol.connection import Delayed, Outcome, Reply, Service, Streamed
 
 
 def memory_service(config: Config | None = None, **settings: Any) -> Service:

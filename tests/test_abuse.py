@@ -26,11 +26,11 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.config import Config
-from elockd.framing import LineReader
-from elockd.protocol import Connection, Streamed
-from elockd.server import make_service, serve_stream
-from elockd.serving import REPLY_FLUSH_BYTES
+from elockd.daemon.config import Config
+from elockd.daemon.server import make_service, serve_stream
+from elockd.net.serving import REPLY_FLUSH_BYTES
+from elockd.protocol.connection import Connection, Streamed
+from elockd.protocol.framing import LineReader
 from tests.conftest import LineClient, RunningServer
 from tests.polling import eventually, eventually_blocking, stats_showing
 from tests.sansio import memory_service

@@ -12,18 +12,18 @@ import pytest
 import trio
 import trio.testing
 
-from elockd import accepting
-from elockd.accepting import IGNORABLE_ACCEPT_ERRNOS
-from elockd.config import Config
-from elockd.logthrottle import LogThrottle
-from elockd.server import (
+from elockd.daemon.config import Config
+from elockd.daemon.logthrottle import LogThrottle
+from elockd.daemon.server import (
     SpareDescriptor,
     accept_loop,
     keepalive_settings,
     make_service,
     tune_accepted,
 )
-from elockd.serving import ConnectionSlots
+from elockd.net import accepting
+from elockd.net.accepting import IGNORABLE_ACCEPT_ERRNOS
+from elockd.net.serving import ConnectionSlots
 
 
 class FlakyListener(socket.socket):
@@ -235,7 +235,7 @@ async def test_connections_are_counted_when_accepted_not_when_their_task_runs() 
 
 async def test_a_tls_connection_that_never_handshakes_is_uncounted() -> None:
     """Counted at accept, a TLS connection whose handshake fails leaves no count."""
-    from elockd.server import serve_tls
+    from elockd.daemon.server import serve_tls
 
     service = make_service(Config(port=0, metrics_port=0, handshake_timeout=0.05))
     left, right = socket.socketpair()

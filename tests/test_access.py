@@ -12,12 +12,12 @@ import trio
 import trio.testing
 import trustme
 
-from elockd import logs
-from elockd.config import Config
-from elockd.logthrottle import LogThrottle
-from elockd.protocol import Connection
-from elockd.server import make_service, serve
-from elockd.startup import StartupError
+from elockd.daemon import logs
+from elockd.daemon.config import Config
+from elockd.daemon.logthrottle import LogThrottle
+from elockd.daemon.server import make_service, serve
+from elockd.daemon.startup import StartupError
+from elockd.protocol.connection import Connection
 from tests.conftest import LineClient, RunningServer
 from tests.polling import eventually
 from tests.sansio import memory_service

@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 
 from elockd import __version__
-from elockd.cli import UsageError, build_parser, etcd_endpoints, load_config, setting_actions
-from elockd.config import Config
+from elockd.daemon.config import Config
+from elockd.daemon.main import (
+    UsageError,
+    build_parser,
+    etcd_endpoints,
+    load_config,
+    setting_actions,
+)
 
 
 def write(path: Path, text: str) -> str:
@@ -164,8 +170,8 @@ def elockd(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 async def test_etcd_in_flight_is_the_window_of_a_nodes_etcd_client() -> None:
-    from elockd.cluster.space import ClusterLockSpace
-    from elockd.server import make_cluster_backend
+    from elockd.backend.cluster.space import ClusterLockSpace
+    from elockd.daemon.server import make_cluster_backend
 
     backend = make_cluster_backend(Config(etcd="http://127.0.0.1:9", etcd_in_flight=5))
     assert isinstance(backend, ClusterLockSpace)

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import trio
 
-from elockd.cluster.etcd_client import EtcdClient, KeyValue, prefix_end
+from elockd.backend.cluster.etcd.client import EtcdClient, KeyValue, prefix_end
 from tests.cluster_nodes import TEST_SESSION_TTL, Node, Nodes
 from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, free_ports

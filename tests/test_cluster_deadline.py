@@ -15,13 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.backend import BackendUnavailable
-from elockd.cluster.etcd_client import EtcdClient, Event, KeyValue
-from elockd.cluster.layout import EXCLUSIVE, Layout, entry_value
-from elockd.cluster.ledger import ClusterSession
-from elockd.cluster.mirror import GRANTED, WAITING, ClusterWaiter, QueueMirror
-from elockd.cluster.ownership import CLOCK_RATE_ERROR, LEASE_MARGIN, lease_deadline
-from elockd.cluster.space import ClusterLockSpace
+from elockd.backend.cluster.etcd.client import EtcdClient, Event, KeyValue
+from elockd.backend.cluster.layout import EXCLUSIVE, Layout, entry_value
+from elockd.backend.cluster.ledger import ClusterSession
+from elockd.backend.cluster.mirror import GRANTED, WAITING, ClusterWaiter, QueueMirror
+from elockd.backend.cluster.ownership import CLOCK_RATE_ERROR, LEASE_MARGIN, lease_deadline
+from elockd.backend.cluster.space import ClusterLockSpace
+from elockd.backend.interface import BackendUnavailable
 
 LAYOUT = Layout(b"/t/")
 

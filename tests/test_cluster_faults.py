@@ -22,7 +22,7 @@ from typing import NamedTuple
 import pytest
 import trio
 
-from elockd.cluster.etcd_client import EtcdClient
+from elockd.backend.cluster.etcd.client import EtcdClient
 from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
 from tests.conftest import LineClient
 from tests.etcd_cluster import EtcdCluster, member_status

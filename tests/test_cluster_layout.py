@@ -1,9 +1,9 @@
-"""The session-record format of :mod:`elockd.cluster.layout`, without etcd: what one
+"""The session-record format of :mod:`elockd.backend.cluster.layout`, without etcd: what one
 node writes, every other node (also one of a later version) must read alike."""
 
 from __future__ import annotations
 
-from elockd.cluster.layout import Layout, SessionRecord, encode_record, parse_record
+from elockd.backend.cluster.layout import Layout, SessionRecord, encode_record, parse_record
 
 
 def test_record_round_trips() -> None:

@@ -1,4 +1,4 @@
-"""The cluster's grant rule, without etcd: :class:`elockd.cluster.mirror.QueueMirror`
+"""The cluster's grant rule, without etcd: :class:`elockd.backend.cluster.mirror.QueueMirror`
 fed with the watch events etcd would send.
 
 A Hypothesis state machine plays etcd: requests enqueue (one revision per txn, an
@@ -22,9 +22,9 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from elockd.cluster.etcd_client import Event, KeyValue
-from elockd.cluster.layout import EXCLUSIVE, SHARED, Layout, entry_value
-from elockd.cluster.mirror import GRANTED, LOST, WAITING, ClusterWaiter, QueueMirror
+from elockd.backend.cluster.etcd.client import Event, KeyValue
+from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, Layout, entry_value
+from elockd.backend.cluster.mirror import GRANTED, LOST, WAITING, ClusterWaiter, QueueMirror
 
 LAYOUT = Layout(b"/t/")
 KEYS = (b"a", b"b", b"c")

@@ -2,7 +2,7 @@
 
 Every bad configuration, from the file, the environment or the flags, is refused at
 start with one line of at most 300 characters and exit status 2, never a
-traceback: a generated set in process (:func:`elockd.cli.main`, the same code the
+traceback: a generated set in process (:func:`elockd.daemon.main.main`, the same code the
 command runs, with the server itself replaced by a trap that fails the test if a
 bad configuration gets that far), and a sample of each kind through the real
 command. The kernel's bounds are checked against the kernel.
@@ -28,15 +28,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elockd import cli
-from elockd.bounds import (
+from elockd.daemon import main as cli
+from elockd.daemon.bounds import (
     MAX_KEEPALIVE,
     MAX_TCP_KEEPCNT,
     MAX_TCP_KEEPIDLE,
     MAX_TCP_KEEPINTVL,
 )
-from elockd.server import keepalive_settings, tune_accepted
-from elockd.unix_socket import UNIX_PATH_MAX
+from elockd.daemon.server import keepalive_settings, tune_accepted
+from elockd.net.unix_socket import UNIX_PATH_MAX
 
 # ------------------------------------------------------------ what is bad
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from elockd.ctl_args import build_parser, parse
-from elockd.ctl_status import EXIT_USAGE
+from elockd.ctl.args import build_parser, parse
+from elockd.ctl.status import EXIT_USAGE
 
 
 def parsed(*argv: str) -> dict[str, object]:
@@ -107,7 +107,7 @@ def test_lock_mistakes(capsys: pytest.CaptureFixture[str], argv: list[str], comp
 
 def test_help_goes_to_the_command_it_follows() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "elockd.ctl", "lock", "K", "--help"],
+        [sys.executable, "-m", "elockd.ctl.main", "lock", "K", "--help"],
         capture_output=True,
         text=True,
         timeout=30,

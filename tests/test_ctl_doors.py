@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from elockd.ctl_status import EXIT_ERROR
+from elockd.ctl.status import EXIT_ERROR
 from tests.foreign_service import foreign_service
 from tests.server_process import mutual_tls_flags, start_server, stop_server
 from tests.test_ctl import ctl_process, one_line

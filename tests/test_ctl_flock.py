@@ -54,7 +54,7 @@ class Door:
         if self.tool == "flock":
             assert FLOCK is not None
             return [FLOCK, *options, str(self.path), *command]
-        ctl = [sys.executable, "-m", "elockd.ctl", "--port", str(self.port), "lock"]
+        ctl = [sys.executable, "-m", "elockd.ctl.main", "--port", str(self.port), "lock"]
         return [*ctl, *options, self.key, *command]
 
     def run(self, options: list[str], command: list[str]) -> tuple[int, str, str]:

@@ -19,7 +19,7 @@ from elockd.client import BlockingClient
 from tests.polling import eventually_blocking
 from tests.server_process import start_server, stop_server
 
-ELOCKCTL = f"{sys.executable} -m elockd.ctl"
+ELOCKCTL = f"{sys.executable} -m elockd.ctl.main"
 
 
 @contextlib.contextmanager

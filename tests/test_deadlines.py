@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from elockd.deadlines import COMPACT_FLOOR, Deadlines
-from elockd.locks import LockEngine
+from elockd.engine.deadlines import COMPACT_FLOOR, Deadlines
+from elockd.engine.locks import LockEngine
 
 
 class Target:

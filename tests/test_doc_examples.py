@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from elockd.ctl_args import build_parser
+from elockd.ctl.args import build_parser
 from tests.server_process import mutual_tls_flags, start_server, stop_server
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from elockd.locks import CANCELLED, GRANTED, LockEngine, QueueFull, TooManyHolds, Waiter
-from elockd.sessions import Hold, Session
+from elockd.engine.locks import CANCELLED, GRANTED, LockEngine, QueueFull, TooManyHolds, Waiter
+from elockd.engine.sessions import Hold, Session
 
 
 def sessions(engine: LockEngine, count: int) -> list[Session]:

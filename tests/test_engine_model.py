@@ -25,8 +25,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from elockd.locks import CANCELLED, GRANTED, WAITING, LockEngine, QueueFull, TooManyHolds, Waiter
-from elockd.sessions import Hold, Session
+from elockd.engine.locks import (
+    CANCELLED,
+    GRANTED,
+    WAITING,
+    LockEngine,
+    QueueFull,
+    TooManyHolds,
+    Waiter,
+)
+from elockd.engine.sessions import Hold, Session
 
 KEYS = [b"a", b"b", b"c"]
 TTLS = st.sampled_from([None, None, 0.5, 1.0, 2.5])

@@ -4,7 +4,7 @@ connection. Exact and instant: time is a number passed in."""
 
 from __future__ import annotations
 
-from elockd.locks import (
+from elockd.engine.locks import (
     CANCELLED,
     ENDED_DISCONNECTED,
     ENDED_GRACE_EXPIRED,
@@ -13,7 +13,7 @@ from elockd.locks import (
     LockEngine,
     Waiter,
 )
-from elockd.sessions import Session
+from elockd.engine.sessions import Session
 
 
 def open_sessions(engine: LockEngine, count: int, prefix: str = "s") -> list[Session]:

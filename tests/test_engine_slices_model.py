@@ -18,8 +18,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from elockd.locks import GRANTED, WAITING, LockEngine, TooManyHolds, Waiter
-from elockd.sessions import Session
+from elockd.engine.locks import GRANTED, WAITING, LockEngine, TooManyHolds, Waiter
+from elockd.engine.sessions import Session
 
 keys = st.sampled_from([b"a", b"b", b"c"])
 picks = st.integers(min_value=0, max_value=50)

@@ -18,8 +18,8 @@ import h11
 import pytest
 import trio
 
-from elockd.cluster import etcd_client, etcd_transport
-from elockd.cluster.etcd_client import (
+from elockd.backend.cluster import etcd_client, etcd_transport
+from elockd.backend.cluster.etcd.client import (
     EtcdClient,
     EtcdError,
     EtcdUnavailable,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elockd.framing import TOO_LONG, LineReader
+from elockd.protocol.framing import TOO_LONG, LineReader
 
 
 def feed_all(reader: LineReader, chunks: list[bytes]) -> list[bytes | None]:

@@ -1,12 +1,12 @@
 """Hypothesis fuzz of the request path: bytes in, replies out, engine still sound.
 
 The server's per-connection loop is thin: bytes go through
-:class:`elockd.framing.LineReader`, each line through
-:meth:`elockd.protocol.Connection.handle`, and an :class:`~elockd.protocol.Outcome`
-is awaited until granted or timed out. This test plays that loop without sockets,
-for several connections at once, with arbitrary bytes and with plausible requests
-of both families (valid, malformed, over-long), random chunking, time passing and
-disconnects. Whatever comes in:
+:class:`elockd.protocol.framing.LineReader`, each line through
+:meth:`elockd.protocol.connection.Connection.handle`, and an
+:class:`~elockd.protocol.connection.Outcome` is awaited until granted or timed out.
+This test plays that loop without sockets, for several connections at once, with
+arbitrary bytes and with plausible requests of both families (valid, malformed,
+over-long), random chunking, time passing and disconnects. Whatever comes in:
 
 * no exception escapes (in the server one would end the whole process);
 * every line gets exactly one reply, in order (``0 Line Too Long`` for an over-long
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field, replace
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from elockd.config import Config
-from elockd.framing import LineReader
-from elockd.protocol import LINE_TOO_LONG, Connection, Outcome
-from elockd.sessions import WAITING
+from elockd.daemon.config import Config
+from elockd.engine.sessions import WAITING
+from elockd.protocol.connection import LINE_TOO_LONG, Connection, Outcome
+from elockd.protocol.framing import LineReader
 from tests.sansio import memory_service, waiting, whole
 
 MULTI_LINE_VERBS = {b"q", b"d", b"sd", b"dump", b"who", b"stats"}
@@ -154,7 +154,7 @@ class Client:
 
 
 class Harness:
-    """Plays the server's connection loop (elockd/server.py) without sockets."""
+    """Plays the server's connection loop (elockd/daemon/server.py) without sockets."""
 
     def __init__(self, config: Config, clients: int) -> None:
         self.service = memory_service(replace(config, max_holds=3))
@@ -256,7 +256,7 @@ class Harness:
         lease the session already had may run out in the same instant as the grant.)"""
         line = line[:-1] if line.endswith(b"\r") else line
         tokens = [t for t in line.replace(b"\t", b" ").split(b" ") if t][1:]
-        # As elockd.word.Args: a first token is positional even with a "=" in it.
+        # As elockd.protocol.word.Args: a first token is positional even with a "=" in it.
         keys = [t for i, t in enumerate(tokens) if i == 0 or b"=" not in t]
         keys = keys[: None if verb == b"mlock" else 1]
         session = client.conn.session

@@ -29,22 +29,22 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from elockd.backend import QueueFull, TooManyHolds
-from elockd.cluster.etcd_client import EtcdClient
-from elockd.cluster.space import ClusterLockSpace
-from elockd.commands import COMMANDS
-from elockd.config import Config
-from elockd.framing import LineReader
+from elockd.backend.cluster.etcd.client import EtcdClient
+from elockd.backend.cluster.space import ClusterLockSpace
+from elockd.backend.interface import QueueFull, TooManyHolds
+from elockd.backend.memory import MemoryBackend, Wait
+from elockd.daemon.config import Config
+from elockd.engine.locks import FREE_SLICE
+from elockd.engine.sessions import WAITING, Hold, Session, Waiter
 from elockd.handover import records, state
 from elockd.handover.cluster_state import ClusterRestorer, dump_cluster
+from elockd.handover.pause import Backlog, Parked
 from elockd.handover.state import ConnectionState, Record, Restorer, StateError, dump_state
-from elockd.locks import FREE_SLICE
-from elockd.memory import MemoryBackend, Wait
-from elockd.pause import Backlog, Parked
-from elockd.protocol import WORD, Connection, Outcome, Service
-from elockd.sessions import WAITING, Hold, Session, Waiter
-from elockd.transport import StreamTransport
-from elockd.word import WAIT_REPLIES
+from elockd.net.transport import StreamTransport
+from elockd.protocol.commands import COMMANDS
+from elockd.protocol.connection import WORD, Connection, Outcome, Service
+from elockd.protocol.framing import LineReader
+from elockd.protocol.word import WAIT_REPLIES
 from tests.sansio import whole
 
 #: A key of every byte a latin-1 round trip could get wrong.

@@ -15,8 +15,8 @@ import trio
 import trio.testing
 import trustme
 
-from elockd.pause import Pause
-from elockd.transport import UNSENT_LIMIT, SocketTransport
+from elockd.handover.pause import Pause
+from elockd.net.transport import UNSENT_LIMIT, SocketTransport
 from tests.cluster_nodes import Nodes
 from tests.hostile_tools import free_port
 from tests.polling import until_waiting

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.server import keepalive_settings
+from elockd.daemon.server import keepalive_settings
 from tests.hostile_tools import free_port, latency_probe, rss_bytes
 from tests.netns import client_host, why_namespaces_cannot_be_made
 from tests.polling import eventually

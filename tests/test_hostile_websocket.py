@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.config import Config
-from elockd.pause import Parked
-from elockd.protocol import Connection
-from elockd.server import make_service, serve
-from elockd.sessions import Session
-from elockd.websocket import WebSocketTransport
+from elockd.daemon.config import Config
+from elockd.daemon.server import make_service, serve
+from elockd.engine.sessions import Session
+from elockd.handover.pause import Parked
+from elockd.net.websocket import WebSocketTransport
+from elockd.protocol.connection import Connection
 from tests.conftest import LineClient
 from tests.hostile_tools import free_port, latency_probe, rss_bytes
 from tests.netns import client_host, why_namespaces_cannot_be_made

@@ -28,12 +28,12 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elockd import logs
-from elockd.config import Config
-from elockd.logs import SESSION_END_BURST, configure_logging, escape
-from elockd.logthrottle import LogThrottle
-from elockd.server import make_service, serve
-from elockd.sessions import Session
+from elockd.daemon import logs
+from elockd.daemon.config import Config
+from elockd.daemon.logs import SESSION_END_BURST, configure_logging, escape
+from elockd.daemon.logthrottle import LogThrottle
+from elockd.daemon.server import make_service, serve
+from elockd.engine.sessions import Session
 from tests.conftest import LineClient
 from tests.polling import eventually
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd import logs
-from elockd.commands import COMMANDS
-from elockd.config import Config
-from elockd.logs import configure_logging, effective_configuration, redact_url
-from elockd.logthrottle import LogThrottle
-from elockd.server import make_service, serve
+from elockd.daemon import logs
+from elockd.daemon.config import Config
+from elockd.daemon.logs import configure_logging, effective_configuration, redact_url
+from elockd.daemon.logthrottle import LogThrottle
+from elockd.daemon.server import make_service, serve
+from elockd.protocol.commands import COMMANDS
 from tests.conftest import LineClient
 from tests.polling import eventually, until_waiting
 

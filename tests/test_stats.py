@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elockd.logthrottle import LogThrottle
-from elockd.stats import HOLD_BUCKETS, Buckets
+from elockd.daemon.logthrottle import LogThrottle
+from elockd.protocol.stats import HOLD_BUCKETS, Buckets
 
 durations = st.lists(
     st.one_of(st.sampled_from(HOLD_BUCKETS), st.floats(min_value=0, max_value=2e5)), max_size=60

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elockd.cli import load_config
+from elockd.daemon.main import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "contrib" / "systemd" / "elockd.service"

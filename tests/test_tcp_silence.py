@@ -12,11 +12,11 @@ import pytest
 import trio
 import trio.testing
 
-from elockd import tcp_silence, transport
-from elockd.protocol import Delayed
-from elockd.serving import deliver
-from elockd.tcp_silence import lower_user_timeout, set_user_timeout, silent_for
-from elockd.transport import SocketTransport
+from elockd.net import tcp_silence, transport
+from elockd.net.serving import deliver
+from elockd.net.tcp_silence import lower_user_timeout, set_user_timeout, silent_for
+from elockd.net.transport import SocketTransport
+from elockd.protocol.connection import Delayed
 
 BOUND = 30.0
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.config import Config
-from elockd.server import GC_THRESHOLDS, tune_garbage_collector
+from elockd.daemon.config import Config
+from elockd.daemon.server import GC_THRESHOLDS, tune_garbage_collector
 from tests.conftest import LineClient, RunningServer
 from tests.polling import counted_stats, eventually, stats_showing
 
@@ -159,7 +159,7 @@ async def test_connection_over_the_limit_is_told_and_closed(
 
 async def test_unix_socket(nursery: trio.Nursery, tmp_path: Path) -> None:
     """The listener of the server process, the same whatever the backend: in memory."""
-    from elockd.server import make_service, serve
+    from elockd.daemon.server import make_service, serve
 
     path = str(tmp_path / "elockd.sock")
     config = Config(port=0, metrics_port=0, unix=path)

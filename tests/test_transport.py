@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.transport import SocketTransport, StreamTransport, Transport
+from elockd.net.transport import SocketTransport, StreamTransport, Transport
 
 REPLY = b"x" * (4 << 20)  # far more than the two socket buffers hold
 

@@ -1,4 +1,4 @@
-"""Group commit (elockd/cluster/txn_batch.py) against a fake etcd: what shares a
+"""Group commit (elockd/backend/cluster/etcd/batch.py) against a fake etcd: what shares a
 batch, what is sent alone, and that every txn gets its own answer."""
 
 from __future__ import annotations
@@ -10,7 +10,15 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.cluster.etcd_client import (
+from elockd.backend.cluster.etcd.batch import (
+    MAX_TXN_OPS,
+    Footprint,
+    Queued,
+    TxnBatcher,
+    batches_in_flight,
+    ops_needed,
+)
+from elockd.backend.cluster.etcd.client import (
     EtcdError,
     EtcdUnavailable,
     compare_create,
@@ -21,15 +29,7 @@ from elockd.cluster.etcd_client import (
     range_op,
     txn_op,
 )
-from elockd.cluster.recipe import LockRecipe
-from elockd.cluster.txn_batch import (
-    MAX_TXN_OPS,
-    Footprint,
-    Queued,
-    TxnBatcher,
-    batches_in_flight,
-    ops_needed,
-)
+from elockd.backend.cluster.recipe import LockRecipe
 
 
 def txn(

@@ -20,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from elockd import protocol
-from elockd.backend import Grant
-from elockd.cluster.layout import EXCLUSIVE, SHARED
-from elockd.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, ClusterWait
-from elockd.cluster.space import ClusterLockSpace, WaitingRequest
+from elockd.backend.cluster.layout import EXCLUSIVE, SHARED
+from elockd.backend.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, ClusterWait
+from elockd.backend.cluster.space import ClusterLockSpace, WaitingRequest
+from elockd.backend.interface import Grant
+from elockd.engine.sessions import Session
+from elockd.handover.pause import Parked
 from elockd.handover.records import (
     SESSION_FIELDS,
     ConnectionState,
@@ -42,10 +43,9 @@ from elockd.handover.records import (
     text,
     time_left,
 )
-from elockd.pause import Parked
-from elockd.protocol import Outcome, Service
-from elockd.sessions import Session
-from elockd.transport import Transport
+from elockd.net.transport import Transport
+from elockd.protocol import connection as protocol
+from elockd.protocol.connection import Outcome, Service
 
 KINDS = {EXCLUSIVE: "x", SHARED: "s"}
 KIND_OF = {name: kind for kind, name in KINDS.items()}

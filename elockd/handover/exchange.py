@@ -3,7 +3,7 @@
 The conversation on the control socket, after the successor connects:
 
 1. new -> old ``hello``: the state versions it reads.
-2. old: pauses every connection at a request boundary (:mod:`elockd.pause`), stops
+2. old: pauses every connection at a request boundary (:mod:`elockd.handover.pause`), stops
    accepting and stops its deadline timer (a cluster node also freezes its etcd
    work and waits for what is under way), so the tables stand still.
 3. old -> new ``header`` with the listening sockets, then the state records
@@ -35,7 +35,10 @@ from typing import Any
 
 import trio
 
+from elockd.backend.memory import MemoryBackend
+from elockd.daemon.startup import StartupError
 from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
+from elockd.handover.pause import Parked
 from elockd.handover.records import (
     FORMAT,
     READABLE,
@@ -46,13 +49,10 @@ from elockd.handover.records import (
     StateReader,
 )
 from elockd.handover.state import Restorer, dump_state
-from elockd.memory import MemoryBackend
-from elockd.pause import Parked
-from elockd.protocol import Service
-from elockd.startup import StartupError
-from elockd.tcp_silence import keepalive_bound
-from elockd.transport import Closer, SocketTransport
-from elockd.unix_socket import open_unix_socket
+from elockd.net.tcp_silence import keepalive_bound
+from elockd.net.transport import Closer, SocketTransport
+from elockd.net.unix_socket import open_unix_socket
+from elockd.protocol.connection import Service
 
 log = logging.getLogger("elockd")
 
@@ -288,7 +288,7 @@ class TakenOver:
 async def take_over(path: str, service: Service, closer: Closer) -> TakenOver:
     """Connect to the old process at ``path`` and take everything it has; the
     caller serves it, then calls :meth:`TakenOver.finish`. A
-    :class:`~elockd.startup.StartupError` names what went wrong."""
+    :class:`~elockd.daemon.startup.StartupError` names what went wrong."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)

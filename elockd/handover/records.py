@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from elockd.backend import Later
-from elockd.framing import LineReader
-from elockd.pause import Backlog, Parked
-from elockd.protocol import WORD, Connection, Outcome, Service
-from elockd.sessions import Session
-from elockd.transport import Transport
-from elockd.word import WAIT_REPLIES
+from elockd.backend.interface import Later
+from elockd.engine.sessions import Session
+from elockd.handover.pause import Backlog, Parked
+from elockd.net.transport import Transport
+from elockd.protocol.connection import WORD, Connection, Outcome, Service
+from elockd.protocol.framing import LineReader
+from elockd.protocol.word import WAIT_REPLIES
 
 #: What the stream is, the version of it this code writes, and the versions it
 #: reads. An old server refuses a successor that does not read its version, and a

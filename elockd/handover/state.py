@@ -24,6 +24,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from elockd.backend.memory import MemoryBackend
+from elockd.engine.sessions import WAITING, Hold, Session, Waiter
+from elockd.handover.pause import Parked
 from elockd.handover.records import (
     SESSION_FIELDS,
     ConnectionState,
@@ -41,11 +44,8 @@ from elockd.handover.records import (
     text,
     time_left,
 )
-from elockd.memory import MemoryBackend
-from elockd.pause import Parked
-from elockd.protocol import Outcome, Service
-from elockd.sessions import WAITING, Hold, Session, Waiter
-from elockd.transport import Transport
+from elockd.net.transport import Transport
+from elockd.protocol.connection import Outcome, Service
 
 __all__ = ["ConnectionState", "Restorer", "StateError", "dump_state"]
 

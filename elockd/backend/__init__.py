@@ -1,0 +1,1 @@
+"""Where locks live: one interface (interface.py), in memory or in etcd (cluster/)."""

@@ -1,0 +1,203 @@
+"""A cluster node's own books: its sessions, their holds, their deadlines, its counters.
+
+Pure: no I/O and no etcd. etcd decides who holds what; these books are what this
+node has promised its own clients on etcd's word, kept apart from the etcd
+conversations of :mod:`.ownership`, :mod:`.recipe` and :mod:`.node` because all
+three read and change them. They are what ``q`` and /metrics read, what the
+``on_*`` hooks report from, and the part that is closest to the in-memory engine's
+own bookkeeping (:mod:`elockd.engine.locks`).
+
+A hold's fencing token comes from its entry's create revision, the entry's rank
+(a number the node gives each new entry), and the cluster's token floor
+(``<prefix>meta/token_floor``, which :mod:`.node` loads at join): tokens then
+increase across keys, nodes and rebuilt clusters, and the keys of one ``mlock``, or
+the requests of one batch, get tokens of their own (:func:`fencing_token`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import trio
+
+from elockd.backend.cluster.layout import SHARED
+from elockd.backend.interface import Bookkeeping, Grant
+from elockd.engine.sessions import Hold, Session
+
+
+class ClusterHold(Hold):
+    """A hold whose truth is an etcd entry: ``revision`` guards its deletion."""
+
+    __slots__ = ("revision", "ttl")
+
+    def __init__(
+        self, session: Session, key: bytes, shared: bool, revision: int, token: int, now: float
+    ) -> None:
+        super().__init__(session, key, shared, token, now)
+        self.revision = revision
+        self.ttl: float | None = None
+
+
+class ClusterSession(Session):
+    """A session of this node, with the tag that names it in its entries' keys (0
+    until it first needs etcd: a session that takes no lock writes nothing there).
+    Its entries hang on the node's etcd lease."""
+
+    __slots__ = (
+        "lost",
+        "pending",
+        "record_lock",
+        "record_revision",
+        "tag",
+    )
+
+    def __init__(self, session_id: str, peer: bytes) -> None:
+        super().__init__(session_id, peer)
+        self.tag = 0
+        # Entries a request of this session is creating right now: not strays.
+        self.pending: set[bytes] = set()
+        self.record_revision = 0  # mod revision of our last write of its record
+        self.record_lock = trio.Lock()
+        self.lost = False
+
+
+@dataclass(eq=False)
+class ClusterWait:
+    """A request of ``session`` whose entries (``revision``) wait in etcd's queues for
+    ``keys``. Its task runs the wait, and the books keep this copy of it, so that a
+    hand-over can move it (docs/upgrade.md). ``suspended``: its task ended while a
+    hand-over copied the books, and the next task that serves its connection (here
+    after a failed hand-over, or on the successor) waits on for it."""
+
+    session: ClusterSession
+    kind: bytes
+    keys: list[bytes]
+    entries: list[bytes]
+    revision: int
+    limit: int
+    ttl: float | None
+    deadline: float  # by this node's clock
+    since: float
+    suspended: bool = False
+
+
+@dataclass(eq=False)
+class ClusterAnswer:
+    """How a waiting request ended: its grant, or the refusal it raised. Kept with
+    the request, because a hand-over may pause its connection before the reply goes
+    out: the reply is then whoever serves the connection next's to send."""
+
+    grant: Grant | None = None
+    refusal: Exception | None = None
+
+    def give(self) -> Grant:
+        if self.refusal is not None:
+            raise self.refusal
+        assert self.grant is not None
+        return self.grant
+
+
+#: Fencing tokens: the entry's create revision times this, plus the entry's rank (the
+#: node numbers its new entries round modulo this, and one etcd txn, a batch of
+#: requests included, takes at most this many in a row: see .recipe), plus the
+#: floor: every exclusive grant gets a token of its own.
+TOKENS_PER_REVISION = 64
+
+
+def fencing_token(floor: int, revision: int, rank: int) -> int:
+    """The token of the hold whose entry was created at ``revision`` with ``rank``:
+    the same on every node, also after a takeover."""
+    return floor + revision * TOKENS_PER_REVISION + rank
+
+
+class Ledger(Bookkeeping):
+    """This node's sessions (by id and by tag), the holds they have, and what
+    every backend keeps (:class:`~elockd.backend.interface.Bookkeeping`: counters, hooks, the
+    heap of lease and grace ends)."""
+
+    def __init__(self, max_holds: int, max_waiters: int = 10_000) -> None:
+        super().__init__(max_holds=max_holds, max_waiters=max_waiters)
+        self.token_floor = 0
+        self.sessions: dict[str, ClusterSession] = {}
+        self.by_tag: dict[int, ClusterSession] = {}
+        #: Tags of sessions another node took over, until when (this node's clock):
+        #: their entries still on this node's lease are that node's to move or free.
+        self.moved_tags: dict[int, float] = {}
+        self.sessions_lost = 0
+        self.local_waiting = 0
+        #: The waiting request of each session that has one, by session id.
+        self.waits: dict[str, ClusterWait] = {}
+
+    # --------------------------------------------------------------- sessions
+
+    def let_go(self, session: ClusterSession) -> None:
+        """The session is no longer this node's (ended, lost or moved)."""
+        self.sessions.pop(session.id, None)
+        wait = self.waits.get(session.id)
+        if wait is not None and wait.session is session:
+            del self.waits[session.id]
+        if self.by_tag.get(session.tag) is session:
+            del self.by_tag[session.tag]
+
+    def suspended_wait(self, session: ClusterSession) -> ClusterWait | None:
+        """The wait a hand-over stopped for ``session``, to be waited on for it."""
+        wait = self.waits.get(session.id)
+        if wait is None or wait.session is not session or not wait.suspended:
+            return None
+        return wait
+
+    def local_hold(self, tag: int, key: bytes) -> ClusterHold | None:
+        """The exclusive hold on ``key`` of this node's session ``tag``."""
+        session = self.by_tag.get(tag)
+        hold = session.exclusive.get(key) if session is not None else None
+        return hold if isinstance(hold, ClusterHold) else None
+
+    # ------------------------------------------------------------------ holds
+
+    def holds(self, session: Session) -> list[ClusterHold]:
+        holds: list[ClusterHold] = []
+        for table in (session.exclusive, session.shared):
+            for hold in table.values():
+                assert isinstance(hold, ClusterHold)
+                holds.append(hold)
+        return holds
+
+    def record_hold(
+        self,
+        session: ClusterSession,
+        kind: bytes,
+        key: bytes,
+        revision: int,
+        now: float,
+        rank: int = 0,
+    ) -> ClusterHold:
+        """A hold this node now keeps for ``session``; ``rank`` is its entry's (see
+        :func:`fencing_token`)."""
+        shared = kind == SHARED
+        token = fencing_token(self.token_floor, revision, rank)
+        hold = ClusterHold(session, key, shared, revision, token, now)
+        (session.shared if shared else session.exclusive)[key] = hold
+        return hold
+
+    def untrack(self, hold: ClusterHold) -> None:
+        """Forget a hold locally (etcd is told separately, or already knows)."""
+        table = hold.session.shared if hold.shared else hold.session.exclusive
+        if table.get(hold.key) is hold:
+            del table[hold.key]
+        self.end_lease(hold)
+
+    def drop(self, hold: ClusterHold, now: float) -> None:
+        """Forget a hold that ended (released, orphaned, expired): it counts."""
+        table = hold.session.shared if hold.shared else hold.session.exclusive
+        if table.get(hold.key) is hold:
+            del table[hold.key]
+        self.hold_ended(hold, now)
+
+    # ----------------------------------------------------------------- timers
+
+    def due(self, now: float) -> Iterator[ClusterHold | ClusterSession]:
+        """Every lease end (a hold) and grace end (a session) due by ``now``."""
+        for _, target in self._deadlines.due(now):
+            assert isinstance(target, ClusterHold | ClusterSession)
+            yield target

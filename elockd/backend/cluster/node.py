@@ -1,0 +1,310 @@
+"""The node's life in the cluster: join, stay current and alive, sweep, leave.
+
+Joining loads the token floor (the first node of a new cluster writes it), starts
+the node's heartbeat (a key under a short lease of its own, by which other nodes
+judge whether its sessions may be taken over), gets the node's lease that every
+session record and entry of the node hangs on (``--session-ttl``), and loads the
+mirror of every queue. Then, until cancelled, three loops run side by side: the
+watch that keeps the mirror current (and reloads it when etcd has compacted past
+it), the heartbeat, and the keepalive of the node's lease (every TTL/3, one call
+however many sessions), each round of which ends with the sweep of stray entries.
+Leaving revokes the node's lease, so its sessions' locks go at once rather than
+after the session TTL.
+
+These are the node's own loops; a request never runs them. What they find, a
+session lost or claimed elsewhere, they hand to :mod:`.ownership`, which decides
+what it means for the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import trio
+
+from elockd.backend.cluster.etcd.client import (
+    EtcdError,
+    EtcdUnavailable,
+    WatchCompacted,
+    compare_create,
+    prefix_end,
+    put_op,
+    range_op,
+)
+from elockd.backend.cluster.ledger import ClusterSession
+from elockd.backend.cluster.mirror import QueueMirror
+from elockd.backend.cluster.ownership import SessionOwnership
+from elockd.backend.interface import BackendUnavailable
+
+log = logging.getLogger("elockd.cluster")
+
+#: Seconds a node waits for etcd to release its sessions when it shuts down.
+SHUTDOWN_GRACE = 2.0
+#: Seconds at least between two rounds of the node's keepalive and sweep, when
+#: etcd did not answer the last (see :meth:`ClusterNode._keep_alive`).
+KEEPALIVE_RETRY = 0.5
+
+
+class ClusterNode:
+    """One elockd node's membership of the cluster, and the background loops that
+    keep its sessions (one :class:`~elockd.backend.cluster.ownership.SessionOwnership`) alive."""
+
+    def __init__(self, ownership: SessionOwnership, mirror: QueueMirror) -> None:
+        # The node keeps its sessions' leases alive: it runs on their ownership.
+        self.ownership = ownership
+        self.calls, self.ledger, self.layout = ownership.calls, ownership.ledger, ownership.layout
+        self.client = ownership.client
+        self.node_id = ownership.node_id
+        self.session_ttl = ownership.session_ttl
+        self.mirror = mirror
+        self._node_lease = 0
+        #: A predecessor's heartbeat lease and the lease its sessions hang on, taken
+        #: over with its books (docs/upgrade.md).
+        self.adopted_lease = 0
+        self.adopted_sessions_lease = 0
+        #: Sessions taken over whose connection could not move (TLS): they end by
+        #: their usual rules once the node runs, since ending writes to etcd.
+        self.ended_at_join: list[ClusterSession] = []
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Join the cluster, then keep leases alive and the mirror current until
+        cancelled; on the way out, revoke the node's lease so its sessions' locks go
+        at once rather than after the session TTL."""
+        await self.calls.until_answered(self._load_token_floor)
+        if self.adopted_lease:
+            # The predecessor's heartbeat lease, so that its sessions' records still
+            # name a live node; a new one if it ran out meanwhile.
+            adopted = self.adopted_lease
+            self._node_lease = await self.calls.until_answered(
+                lambda: self._renew_heartbeat(adopted)
+            )
+        else:
+            self._node_lease = await self.calls.until_answered(self._start_heartbeat)
+        await self.calls.until_answered(self._adopt_or_grant_sessions_lease)
+        await self.calls.until_answered(self._load_mirror)
+        if self.adopted_lease:
+            # Records claimed elsewhere while the predecessor was handing over.
+            await self.calls.until_answered(self.ownership.recheck_records)
+        try:
+            async with trio.open_nursery() as nursery:
+                self.calls.nursery = nursery
+                nursery.start_soon(self.client.run_batches)
+                nursery.start_soon(self._watch)
+                nursery.start_soon(self._keep_alive)
+                nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self.ownership.enforce_deadline)
+                for session in self.ended_at_join:
+                    self.ownership.disconnect(session, trio.current_time())
+                self.ended_at_join = []
+                log.info("node %s joined at revision %d", self.node_id, self.mirror.revision)
+                task_status.started()
+        finally:
+            self.calls.nursery = None
+            # Handed over, the successor runs these sessions and this node's heartbeat.
+            if not self.calls.handed_over:
+                with trio.move_on_after(SHUTDOWN_GRACE) as cleanup:
+                    cleanup.shield = True
+                    async with trio.open_nursery() as ends:
+                        ends.start_soon(self.ownership.end_all)
+                        ends.start_soon(self.calls.revoke_quietly, self._node_lease)
+                    self.ownership.set_lease(0, math.inf)
+
+    # ------------------------------------------------------------------- join
+
+    async def _load_token_floor(self) -> None:
+        """The first node of a new cluster records the wall clock in nanoseconds as
+        the floor under every token: a cluster rebuilt empty later starts above it."""
+        floor_key = self.layout.token_floor
+        result = await self.client.txn(
+            [compare_create(floor_key, "==", 0)],
+            [put_op(floor_key, b"%d" % time.time_ns())],
+            [range_op(floor_key)],
+        )
+        if result.succeeded:
+            _, kvs, _ = await self.client.get(floor_key)
+        else:
+            kvs = result.kvs(0)
+        self.ledger.token_floor = int(kvs[0].value) if kvs else 0
+
+    async def _start_heartbeat(self, *, urgent: bool = False) -> int:
+        lease, _ = await self.client.lease_grant(self._heartbeat_ttl())
+        await self._beat(lease, urgent=urgent)
+        return lease
+
+    async def _renew_heartbeat(self, lease: int, *, urgent: bool = False) -> int:
+        """Keep the heartbeat ``lease`` alive and write the node's key on it, or
+        start a new one if it ran out: the lease the heartbeat goes on with."""
+        if await self.client.lease_keepalive(lease) == 0:
+            return await self._start_heartbeat(urgent=urgent)
+        await self._beat(lease, urgent=urgent)
+        return lease
+
+    async def _beat(self, lease: int, *, urgent: bool) -> None:
+        pid = b"%d" % os.getpid()
+        await self.client.put(self.layout.node(self.node_id), pid, lease, urgent=urgent)
+
+    @property
+    def heartbeat_lease(self) -> int:
+        return self._node_lease
+
+    async def _adopt_or_grant_sessions_lease(self) -> None:
+        """The lease the sessions hang on: the predecessor's, if it still lives (a
+        hand-over), else a new one, and with it every adopted session is lost."""
+        lease = self.adopted_sessions_lease
+        if lease:
+            sent = trio.current_time()
+            remaining = await self.client.lease_keepalive(lease)
+            if remaining:
+                self.ownership.renewed(lease, sent, remaining)
+                return
+            self.ownership.lose_all("the node's etcd lease ran out during the hand-over")
+        await self._grant_sessions_lease()
+
+    async def _grant_sessions_lease(self) -> None:
+        sent = trio.current_time()
+        lease, ttl = await self.client.lease_grant(self.session_ttl)
+        self.ownership.renewed(lease, sent, ttl)
+
+    async def _load_mirror(self) -> None:
+        queues = self.layout.queues
+        revision, kvs, _ = await self.client.get(queues, prefix_end(queues))
+        self.mirror.load(revision, kvs)
+
+    # ------------------------------------------------------------------ loops
+
+    async def _watch(self) -> None:
+        root = self.layout.root
+        while True:
+            try:
+                # Every node writes its heartbeat under the root every TTL/3, so a
+                # stream quiet for a whole TTL comes from a hung member.
+                watch = self.client.watch(
+                    root, prefix_end(root), self.mirror.revision + 1, silence=self.session_ttl
+                )
+                async for events in watch:
+                    self.mirror.catch_up_to(watch.created_at)
+                    self.mirror.apply(events)
+            except WatchCompacted:
+                log.warning("watch fell behind etcd's compaction: reloading every queue")
+                while True:
+                    try:
+                        await self._load_mirror()
+                        await self.ownership.recheck_records()
+                        break
+                    except (EtcdUnavailable, EtcdError):
+                        await trio.sleep(0.5)
+
+    async def _keep_alive(self) -> None:
+        """Every TTL/3: one keepalive of the node's lease (or a new lease), then the
+        stray sweep. Sooner when the lease is gone (at once), or when etcd failed a
+        call since the last round (KEEPALIVE_RETRY after it): a keepalive that failed
+        is tried again soon, since everything of the node's sessions hangs on the
+        lease, and a free that etcd refused is swept as soon as etcd answers, so that
+        its key is free again within moments of etcd's return. After a failure the
+        rounds go on every KEEPALIVE_RETRY for two etcd deadlines once etcd answers
+        again: a write etcd refused may still commit when its members come back (the
+        leader kept it in its log), and its entry reaches the mirror only then."""
+        period = self.session_ttl / 3
+        ownership, calls = self.ownership, self.calls
+        last_round = trio.current_time()  # the lease was just granted
+        failed = False
+        settle_until = -math.inf  # rounds come every KEEPALIVE_RETRY until then
+        while True:
+            next_round = last_round + period
+            if last_round < settle_until:
+                next_round = last_round + KEEPALIVE_RETRY
+            with trio.move_on_at(next_round):
+                await calls.keeper_wanted.wait()
+            if calls.keeper_wanted.is_set():  # something failed since the last round
+                settle_until = trio.current_time() + 2 * self.client.deadline
+            if failed or ownership.lease:
+                # Only a lease just lost hurries: never more often than
+                # KEEPALIVE_RETRY otherwise, however many calls fail meanwhile.
+                await trio.sleep_until(last_round + KEEPALIVE_RETRY)
+            last_round = trio.current_time()
+            failed = True
+            if calls.handed_over:
+                return  # the successor keeps the lease alive now
+            ownership.check_expiry()  # a lease found gone here is this round's to renew
+            # Anything that fails from here on calls for another round.
+            calls.keeper_wanted = trio.Event()
+            try:
+                await self._keep_lease_alive()
+            except (EtcdUnavailable, EtcdError):
+                calls.unavailable("node lease keepalive")
+                continue
+            failed = False
+            if not calls.frozen:  # whoever serves on sweeps
+                await self._sweep()
+
+    async def _keep_lease_alive(self) -> None:
+        ownership = self.ownership
+        lease = ownership.lease
+        if not lease:
+            if self.calls.frozen:
+                await self.calls.thawed()  # or whoever serves on gets one
+            else:
+                await self._grant_sessions_lease()
+            return
+        sent = trio.current_time()
+        remaining = await self.client.lease_keepalive(lease)
+        if ownership.lease != lease:
+            return
+        if remaining == 0:
+            ownership.lease_gone("etcd expired the node's lease")
+        else:
+            ownership.renewed(lease, sent, remaining)
+
+    async def _heartbeat(self) -> None:
+        """The node's own lease, renewed in a loop of its own (a slow session
+        keepalive must not let it lapse), and a write of its key: that write is also
+        what keeps every node's watch from falling silent (see :meth:`_watch`)."""
+        ttl = self._heartbeat_ttl()
+        while True:
+            await trio.sleep(ttl / 4)
+            if self.calls.handed_over:
+                return  # the successor beats for this node now
+            try:
+                self._node_lease = await self._renew_heartbeat(self._node_lease, urgent=True)
+            except (EtcdUnavailable, EtcdError):
+                self.calls.unavailable("node heartbeat")
+
+    def _heartbeat_ttl(self) -> int:
+        return max(2, self.session_ttl // 2)
+
+    async def _sweep(self) -> None:
+        """Delete entries on the node's lease that no hold and no running request
+        owns: left by a free that etcd refused, a request cancelled while its txn
+        was in flight, an answer lost after a commit, or a session this node no
+        longer has. Judged on the mirror, and every delete is guarded by the entry's
+        revision (and by the session record, for a session the node still has)."""
+        lease = self.ownership.lease
+        if not lease:
+            return
+        now = trio.current_time()
+        moved = self.ledger.moved_tags
+        for tag, until in list(moved.items()):
+            if until < now:
+                del moved[tag]
+        for tag in list(self.mirror.by_tag):
+            session = self.ledger.by_tag.get(tag)
+            if (session is not None and session.lost) or tag in moved:
+                continue
+            entries = self.mirror.entries_on(tag, lease)
+            if session is None:
+                strays = entries
+            else:
+                held = dict(self.ownership.entries(self.ledger.holds(session)))
+                strays = [
+                    (key, revision)
+                    for key, revision in entries
+                    if key not in session.pending and held.get(key) != revision
+                ]
+            if strays:
+                try:
+                    await self.ownership.delete_entries(session, strays)
+                except (EtcdUnavailable, EtcdError, BackendUnavailable):
+                    return  # next round

@@ -1,0 +1,356 @@
+"""The lock space kept in etcd, as the server sees it: one backend object.
+
+etcd decides; a node only asks. :class:`ClusterLockSpace` is what the server, the
+cluster's verbs, ``q`` and /metrics hold on to, and it only puts together the
+parts, split as etcd's own client splits its ``concurrency`` package:
+
+* :mod:`.ownership`: session ownership (``session.go``): the node's etcd lease a
+  session's keys hang on, the session's tag and record, its ends (disconnect,
+  grace, ``ttl=`` expiry, loss, a move elsewhere) and its takeover with ``conn_id``;
+* :mod:`.recipe`: the lock recipe (``mutex.go``): acquire, release, renew, and the
+  reads behind ``i``, ``d`` and ``info``;
+* :mod:`.node`: the node's lifecycle: join, the watch, the heartbeat, the keepalive
+  of the node's lease and the stray sweep, and leaving.
+
+Under all three lie this node's books (:mod:`.ledger`: sessions, holds, deadlines,
+counters; pure), the one way they call etcd (:mod:`.calls`: a failed call fails
+closed with :class:`~elockd.backend.interface.BackendUnavailable` and is counted), the keys
+and values (:mod:`.layout`) and the mirror of the queues with the grant rule
+(:mod:`.mirror`). A part reaches another only through the methods named here, so
+each can change (batched transactions, say) without the others.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar, cast
+
+import trio
+
+from elockd.backend.cluster.calls import EtcdCalls
+from elockd.backend.cluster.etcd.client import EtcdClient
+from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, Layout, parse_entry_value
+from elockd.backend.cluster.ledger import (
+    ClusterAnswer,
+    ClusterHold,
+    ClusterSession,
+    Ledger,
+    fencing_token,
+)
+from elockd.backend.cluster.mirror import QueueMirror
+from elockd.backend.cluster.node import ClusterNode
+from elockd.backend.cluster.ownership import SessionOwnership
+from elockd.backend.cluster.recipe import LockRecipe
+from elockd.backend.interface import (
+    BackendUnavailable,
+    Grant,
+    Holders,
+    KeyInfo,
+    Later,
+    QueueFull,
+    TooManyHolds,
+)
+from elockd.engine.sessions import Session
+
+__all__ = ["ClusterHold", "ClusterLockSpace", "ClusterSession"]
+
+T = TypeVar("T")
+
+
+class _Counted:
+    """A stand-in with only a length, for the ``q`` counters read as ``len(...)``."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count()
+
+
+class _InLedger(Generic[T]):
+    """An attribute of the façade kept in the node's books (:class:`Ledger`): a
+    counter ``q`` reads there, or a hook the server sets here and the books call."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, space: Any, owner: type | None = None) -> T:
+        return cast(T, getattr(space.ledger, self.name))
+
+    def __set__(self, space: Any, value: T) -> None:
+        setattr(space.ledger, self.name, value)
+
+
+class WaitingRequest(Later[Grant]):
+    """A waiting request, with its answer once it has one (see ``_waiting``)."""
+
+    __slots__ = ("answer",)
+
+    def __init__(self, run: Callable[[], Awaitable[Grant]]) -> None:
+        super().__init__(run, waits=True)
+        self.answer: ClusterAnswer | None = None
+
+
+class ClusterLockSpace:
+    """This node's view of the lock space in etcd, and its sessions: the backend
+    a cluster node's server runs on (see :class:`elockd.backend.interface.Backend`)."""
+
+    # What q and /metrics read, and the hooks the server sets: all in the books.
+    token_floor = _InLedger[int]()
+    orphans = _InLedger[int]()
+    shared_orphans = _InLedger[int]()
+    expired = _InLedger[int]()
+    timeouts = _InLedger[int]()
+    leases = _InLedger[int]()
+    sessions_in_grace = _InLedger[int]()
+    sessions_lost = _InLedger[int]()
+    local_waiting = _InLedger[int]()
+    on_new_deadline = _InLedger[Callable[[], None] | None]()
+    on_hold_end = _InLedger[Callable[[bool, float], None] | None]()
+    on_holds_end = _InLedger[Callable[[bool, list[float]], None] | None]()
+    on_wait_end = _InLedger[Callable[[bool, float], None] | None]()
+    on_session_end = _InLedger[Callable[[Session, int, int, str], None] | None]()
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        root: bytes,
+        *,
+        session_ttl: int = 5,
+        max_waiters: int = 10_000,
+        max_holds: int = 10_000,
+    ) -> None:
+        self.client = client
+        self.layout = layout = Layout(root)
+        self.session_ttl = session_ttl
+        self.max_waiters = max_waiters
+        self.max_holds = max_holds
+        self.node_id = secrets.token_hex(8)
+        self.ledger = ledger = Ledger(max_holds, max_waiters)
+        self.calls = calls = EtcdCalls(client)
+        self.mirror = mirror = QueueMirror(layout)
+        self.ownership = ownership = SessionOwnership(
+            calls, ledger, layout, mirror, self.node_id, session_ttl
+        )
+        calls.on_lease_gone = ownership.lease_gone
+        mirror.on_other = ownership.record_changed
+        self.recipe = LockRecipe(ownership, mirror, max_waiters)
+        self.node = ClusterNode(ownership, mirror)
+        self.sessions = ledger.sessions
+        # The cluster's lock counts, from the mirror.
+        self.exclusive = _Counted(mirror.exclusive_locks)
+        self.shared = _Counted(mirror.shared_locks)
+
+        # The operations the node's own tasks run (timer, watch, keepalives).
+        self.run = self.node.run
+        self.open_session = ownership.open_session
+        self.disconnect = ownership.disconnect
+        self.next_deadline = ledger.next_deadline
+        self.advance = ownership.advance
+        self.local_hold = ledger.local_hold
+
+    # ------------------------------------------------ the backend interface
+    # Every answer needs etcd, so each comes later: a Later running the part's
+    # coroutine. Only renew and token are answered from this node's own books.
+
+    def take_over(self, session_id: str, current: Session) -> Later[Session | None]:
+        async def run() -> Session | None:
+            return await self.ownership.take_over(session_id, _ours(current))
+
+        return Later(run)
+
+    def rename(self, session: Session, name: bytes | None) -> Later[None]:
+        return Later(lambda: self.recipe.rename(_ours(session), name))
+
+    def acquire(self, session: Session, key: bytes, now: float) -> Later[bool]:
+        async def run() -> bool:
+            grant = await self.recipe.acquire(
+                _ours(session), EXCLUSIVE, [key], limit=1, ttl=None, wait=0
+            )
+            return grant.granted
+
+        return Later(run)
+
+    def release(self, session: Session, key: bytes, now: float) -> Later[bool]:
+        async def run() -> bool:
+            return (await self.recipe.release(_ours(session), EXCLUSIVE, key)).granted
+
+        return Later(run)
+
+    def is_locked(self, key: bytes) -> Later[bool]:
+        async def run() -> bool:
+            return next(await self.recipe.holders(EXCLUSIVE, key), None) is not None
+
+        return Later(run)
+
+    def share(self, session: Session, key: bytes, now: float) -> Later[int]:
+        async def run() -> int:
+            grant = await self.recipe.acquire(
+                _ours(session), SHARED, [key], limit=0, ttl=None, wait=0
+            )
+            return grant.count
+
+        return Later(run)
+
+    def release_shared(self, session: Session, key: bytes, now: float) -> Later[int | None]:
+        async def run() -> int | None:
+            freed = await self.recipe.release(_ours(session), SHARED, key)
+            return freed.count if freed.granted else None
+
+        return Later(run)
+
+    def shared_count(self, key: bytes) -> Later[int]:
+        async def run() -> int:
+            return sum(1 for _ in await self.recipe.holders(SHARED, key))
+
+        return Later(run)
+
+    def holders(self, shared: bool, key: bytes | None, *, ordered: bool = False) -> Later[Holders]:
+        # One range read gives etcd's order: keys in byte order already.
+        return Later(lambda: self.recipe.holders(SHARED if shared else EXCLUSIVE, key))
+
+    def lock(
+        self, session: Session, keys: list[bytes], now: float, *, wait: float, ttl: float | None
+    ) -> Later[Grant]:
+        def start() -> Awaitable[Grant]:
+            return self.recipe.acquire(_ours(session), EXCLUSIVE, keys, limit=1, ttl=ttl, wait=wait)
+
+        return self._waiting(_ours(session), start) if wait > 0 else Later(start)
+
+    def lock_shared(
+        self,
+        session: Session,
+        key: bytes,
+        now: float,
+        *,
+        limit: int | None,
+        wait: float,
+        ttl: float | None,
+    ) -> Later[Grant]:
+        def start() -> Awaitable[Grant]:
+            return self.recipe.acquire(
+                _ours(session), SHARED, [key], limit=limit or 0, ttl=ttl, wait=wait
+            )
+
+        return self._waiting(_ours(session), start) if wait > 0 else Later(start)
+
+    def _waiting(
+        self, session: ClusterSession, start: Callable[[], Awaitable[Grant]] | None
+    ) -> WaitingRequest:
+        """A request that waits for a grant, as a hand-over can stop and move it
+        (docs/upgrade.md). Asked again (after a failed hand-over, or on the
+        successor, where ``start`` is None), it gives the answer it already had, or
+        waits on where its wait stood."""
+        ledger, calls = self.ledger, self.calls
+
+        async def run() -> Grant:
+            if request.answer is not None:
+                return request.answer.give()
+            stopped = ledger.suspended_wait(session)
+            with calls.busy():
+                try:
+                    if stopped is not None:
+                        grant = await self.recipe.wait_for(stopped)
+                    elif start is not None:
+                        grant = await start()
+                    else:
+                        raise BackendUnavailable("the waiting request did not come along")
+                except (BackendUnavailable, QueueFull, TooManyHolds) as refusal:
+                    request.answer = ClusterAnswer(refusal=refusal)
+                    raise
+                request.answer = ClusterAnswer(grant)
+            return grant
+
+        request = WaitingRequest(run)
+        return request
+
+    def later_for(
+        self, session: ClusterSession, answer: ClusterAnswer | None = None
+    ) -> WaitingRequest:
+        """The reply-later of a waiting request taken over from a predecessor: its
+        answer if it had one, else its wait (suspended in the books)."""
+        request = self._waiting(session, None)
+        request.answer = answer
+        return request
+
+    def release_all(self, session: Session, now: float) -> Later[None]:
+        return Later(lambda: self.recipe.release_all(_ours(session)))
+
+    def renew(self, session: Session, key: bytes, now: float, ttl: float) -> bool:
+        self.ownership.check_expiry()  # past it, the session's holds are gone
+        return self.recipe.renew(session, key, ttl)
+
+    def token(self, session: Session, key: bytes) -> int | None:
+        self.ownership.check_expiry()  # past it, the session's holds are gone
+        hold = session.exclusive.get(key)
+        return None if hold is None else hold.token
+
+    def info(self, key: bytes, now: float) -> Later[KeyInfo]:
+        async def run() -> KeyInfo:
+            head, shared, waiting = await self.recipe.describe(key)
+            found = KeyInfo(shared=shared, waiting=waiting)
+            if head is not None:
+                value = parse_entry_value(head.value)
+                found.owner = value.owner
+                found.token = fencing_token(
+                    self.ledger.token_floor, head.create_revision, value.rank
+                )
+                # A lease's end is known to the node that runs it: this one's own.
+                name = self.layout.parse_entry(head.key)
+                local = self.ledger.local_hold(name.tag, key) if name is not None else None
+                if local is not None and local.lease_deadline is not None:
+                    found.ttl = max(0.0, local.lease_deadline - trio.current_time())
+            return found
+
+        return Later(run)
+
+    # ------------------------------------------- hand-over (docs/upgrade.md)
+
+    def freeze(self) -> None:
+        self.calls.freeze()
+
+    async def settle(self) -> None:
+        await self.calls.settled()
+
+    def thaw(self) -> None:
+        self.calls.thaw()
+        # What the watch skipped while frozen: sessions claimed elsewhere meanwhile.
+        self.calls.spawn(self.ownership.recheck_records, "recheck session records")
+
+    def hand_off(self) -> None:
+        self.calls.hand_off()
+
+    def adopt_identity(self, node_id: str, heartbeat_lease: int, sessions_lease: int) -> None:
+        """Be the node a predecessor was: its sessions' records name it, its
+        heartbeat lease says it lives, and its sessions hang on its lease (which the
+        node renews as it joins)."""
+        self.node_id = self.ownership.node_id = self.node.node_id = node_id
+        self.node.adopted_lease = heartbeat_lease
+        self.node.adopted_sessions_lease = sessions_lease
+
+    @property
+    def backend_unavailable(self) -> int:
+        return self.calls.backend_unavailable
+
+    @property
+    def shared_holders(self) -> int:
+        return self.mirror.shared_holders()
+
+    @property
+    def waiting(self) -> int:
+        return self.mirror.waiting()
+
+    def extra_counters(self) -> dict[str, int]:
+        """`q` lines only a cluster node has."""
+        return {
+            "backend_unavailable": self.calls.backend_unavailable,
+            "local_waiting": self.ledger.local_waiting,
+            "sessions_lost": self.ledger.sessions_lost,
+        }
+
+
+def _ours(session: Session) -> ClusterSession:
+    """Every session of a node is one it opened (:meth:`SessionOwnership.open_session`)."""
+    assert isinstance(session, ClusterSession)
+    return session

@@ -1,0 +1,149 @@
+"""The in-memory backend: the pure :class:`~elockd.engine.locks.LockEngine` behind the
+:class:`~elockd.backend.interface.Backend` interface.
+
+The engine decides everything and answers at once; the only thing it cannot do
+without trio is wait. So this subclass adds what the interface needs on top of the
+engine's own operations (which it inherits as they are, so ``g`` and ``r`` cost no
+extra call): a request that queues comes back as a :class:`~elockd.backend.interface.Later`
+whose coroutine waits for the engine to wake its :class:`~elockd.engine.sessions.Waiter`,
+on the grant or on the timeout (the engine keeps every deadline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from elockd.backend.interface import GRANTED, REFUSED, Grant, Holders, KeyInfo, Later, Result
+from elockd.engine.locks import LockEngine
+from elockd.engine.sessions import Hold, Session, Waiter
+
+
+class Wait(Later[Grant]):
+    """A request waiting in the engine: its :class:`~elockd.engine.sessions.Waiter` is
+    there to look at (tests, and anyone tracing waits)."""
+
+    __slots__ = ("waiter",)
+
+    def __init__(self, run: Callable[[], Awaitable[Grant]], waiter: Waiter) -> None:
+        super().__init__(run, waits=True)
+        self.waiter = waiter
+
+
+class MemoryBackend(LockEngine):
+    """Every lock in this process's memory; see :class:`~elockd.engine.locks.LockEngine`."""
+
+    # ------------------------------------------------------------- sessions
+
+    def rename(self, session: Session, name: bytes | None) -> None:
+        session.name = name  # holds show session.owner, read when they are shown
+
+    # ------------------------------------------------------------ the terse family
+
+    def is_locked(self, key: bytes) -> bool:
+        return key in self.exclusive
+
+    def share(self, session: Session, key: bytes, now: float) -> int:
+        return self.acquire_shared(session, key, now)[1]
+
+    def holders(self, shared: bool, key: bytes | None, *, ordered: bool = False) -> Holders:
+        """Weakly consistent, as Redis's SCAN: the keys are a snapshot of the table
+        (8 bytes each, not the reply), and each key's holders are read when its turn
+        comes. A hold present for the whole dump is listed exactly once (its key is
+        in the snapshot once); one taken or freed meanwhile may or may not be."""
+        table = self.shared if shared else self.exclusive
+        keys = (sorted(table) if ordered else list(table)) if key is None else [key]
+        holds_of = self.shared_holds if shared else self.exclusive_holds
+        return (
+            (hold.key, hold.session.owner, hold.session.peer) for k in keys for hold in holds_of(k)
+        )
+
+    # ------------------------------------------------------------- the word family
+
+    def lock(
+        self, session: Session, keys: list[bytes], now: float, *, wait: float, ttl: float | None
+    ) -> Result[Grant]:
+        if len(keys) == 1:
+            if not wait:
+                return GRANTED if self.acquire(session, keys[0], now, ttl) else REFUSED
+            waiter = self.wait_for(session, keys[0], now, ttl, timeout=wait)
+            return GRANTED if waiter is None else self.later_for(waiter)
+        result = self.request_many(session, keys, now, ttl=ttl, wait=wait > 0, timeout=wait)
+        if result is None:
+            return GRANTED
+        if isinstance(result, list):
+            return Grant(False, blocked=result)
+        return GRANTED if result.granted else self.later_for(result)
+
+    def lock_shared(
+        self,
+        session: Session,
+        key: bytes,
+        now: float,
+        *,
+        limit: int | None,
+        wait: float,
+        ttl: float | None,
+    ) -> Result[Grant]:
+        if not wait or limit is None:
+            granted, count = self.acquire_shared(session, key, now, limit=limit, ttl=ttl)
+            return Grant(granted, count)
+        result = self.wait_shared(session, key, now, limit=limit, ttl=ttl, timeout=wait)
+        if isinstance(result, int):
+            return Grant(True, result)
+        return self.later_for(result)
+
+    def token(self, session: Session, key: bytes) -> int | None:
+        hold = session.exclusive.get(key)
+        return None if hold is None else hold.token
+
+    def info(self, key: bytes, now: float) -> KeyInfo:
+        hold: Hold | None = self.exclusive.get(key)
+        found = KeyInfo(shared=self.shared_count(key), waiting=self.waiting_for(key))
+        if hold is not None:
+            found.owner = hold.session.owner
+            found.token = hold.token
+            if hold.lease_deadline is not None:
+                found.ttl = max(0.0, hold.lease_deadline - now)
+        return found
+
+    # ---------------------------------------------------------------- waiting
+
+    # A hand-over: once the connections are parked and the timer stopped, nothing
+    # else changes these tables, and nothing of them lives outside this process.
+    def freeze(self) -> None:
+        pass
+
+    async def settle(self) -> None:
+        pass
+
+    def thaw(self) -> None:
+        pass
+
+    def hand_off(self) -> None:
+        pass
+
+    def later_for(self, waiter: Waiter) -> Wait:
+        """The reply-later of a request waiting as ``waiter`` (also for a waiter
+        taken over from a predecessor, docs/upgrade.md)."""
+
+        async def granted_or_not() -> Grant:
+            if waiter.waiting:
+                woken = trio.Event()
+                waiter.wake = woken.set
+                try:
+                    await woken.wait()  # the engine wakes it: granted, or timed out
+                finally:
+                    waiter.wake = None
+            return self._outcome(waiter)
+
+        return Wait(granted_or_not, waiter)
+
+    def _outcome(self, waiter: Waiter) -> Grant:
+        if waiter.shared:
+            count = waiter.count if waiter.granted else self.shared_count(waiter.keys[0])
+            return Grant(waiter.granted, count)
+        if waiter.granted:
+            return GRANTED
+        return Grant(False, blocked=self.blocked_keys(waiter))

@@ -1,0 +1,1 @@
+"""elockctl, a second program: the operator's command line over the client."""

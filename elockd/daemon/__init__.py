@@ -1,0 +1,1 @@
+"""The elockd process: flags, configuration, start-up, logs, the server's wiring."""

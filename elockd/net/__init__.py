@@ -1,0 +1,1 @@
+"""Trio I/O: listeners, the connection loop, transports, the HTTP port."""

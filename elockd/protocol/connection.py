@@ -1,0 +1,417 @@
+"""Sans-IO request handling: a request line in, a reply out.
+
+A :class:`Connection` is one client's view of the lock service. The server feeds it
+the lines that :class:`elockd.protocol.framing.LineReader` cut from the socket and writes
+back what it returns; nothing here touches a socket or a clock, so every reply of
+docs/protocol.md is a one-line unit test.
+
+A reply is one of:
+
+* ``bytes``: the reply, now (almost every request);
+* :class:`Outcome`: a reply that comes later, because the request waits for a grant
+  or needs the backend's I/O. It finishes itself: the server awaits
+  :meth:`Outcome.settle` (racing it against the client going away when it waits);
+* :class:`Streamed`: a multi-line reply that grows with the tables (a dump), sent a
+  chunk at a time as fast as the client reads;
+* :class:`Delayed`: a reply held back on purpose (a wrong ``auth`` token).
+
+The verbs come from a declarative table (:mod:`elockd.protocol.commands`) that the caller
+passes in: each :class:`Command` declares its family, arguments, whether it needs
+``auth``, and its handler. The dispatcher counts the verb, splits a word request's
+arguments by the declaration, and calls the handler.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from elockd.backend.interface import (
+    Backend,
+    BackendUnavailable,
+    Later,
+    QueueFull,
+    Result,
+    TooManyHolds,
+)
+from elockd.daemon.config import Config
+from elockd.daemon.logs import log_refusal
+from elockd.engine.sessions import Session
+from elockd.handover.pause import Pause
+from elockd.protocol.arguments import Args, BadRequest
+from elockd.protocol.replies import STYLES, TerseReplies
+from elockd.protocol.stats import Counters, Timings, snapshot
+
+T = TypeVar("T")
+
+LINE_TOO_LONG = b"0 Line Too Long\r\n"
+INVALID_VERB_SHOWN = 64  # bytes of an unknown verb echoed back
+
+
+class Family:
+    """A command family: how its clients are told a request was refused outside the
+    verb's own replies (``0 …`` for lockd clients, which read the leading integer;
+    ``4xx …`` for the word family)."""
+
+    __slots__ = ("auth_required", "name", "too_many_holds", "too_many_waiters", "unavailable")
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        auth_required: bytes,
+        too_many_holds: bytes,
+        too_many_waiters: bytes,
+        unavailable: bytes,
+    ) -> None:
+        self.name = name
+        self.auth_required = auth_required
+        self.too_many_holds = too_many_holds
+        self.too_many_waiters = too_many_waiters
+        self.unavailable = unavailable
+
+    def refusal(self, error: Exception, peer: bytes) -> bytes:
+        """The reply for a backend's refusal (logged: limit refusals are what an
+        operator tunes a flag for)."""
+        if isinstance(error, TooManyHolds):
+            log_refusal("--max-holds", peer)
+            return self.too_many_holds
+        if isinstance(error, QueueFull):
+            log_refusal("--max-waiters", peer)
+            return self.too_many_waiters
+        return self.unavailable
+
+
+TERSE = Family(
+    "terse",
+    auth_required=b"0 Auth Required\r\n",
+    too_many_holds=b"0 Too Many Holds\r\n",
+    too_many_waiters=b"0 Too Many Waiters\r\n",  # never: terse requests do not wait
+    unavailable=b"0 Backend Unavailable\r\n",
+)
+WORD = Family(
+    "word",
+    auth_required=b"403 Auth Required\r\n",
+    too_many_holds=b"413 Too Many Holds\r\n",
+    too_many_waiters=b"413 Too Many Waiters\r\n",
+    unavailable=b"409 Backend Unavailable\r\n",
+)
+#: What the backend may refuse a request with, in any family.
+REFUSALS = (TooManyHolds, QueueFull, BackendUnavailable)
+
+
+class Streamed:
+    """A reply that can outgrow any buffer (``d`` over a million holds): ``chunks``
+    yields it a piece at a time, and the server asks for the next piece only once the
+    last one was sent, so what one connection holds stays bounded however big the
+    tables are and however slowly the client reads."""
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.chunks = chunks
+
+    def whole(self) -> bytes:
+        """Every chunk joined: for tests and for callers that need it in one piece."""
+        return b"".join(self.chunks)
+
+
+class Delayed:
+    """A reply sent only after ``seconds``: a wrong ``auth`` token is answered late,
+    so guessing tokens is slow. Only this connection waits; the server sleeps in its
+    task, never in the loop other clients share."""
+
+    __slots__ = ("reply", "seconds")
+
+    def __init__(self, reply: bytes, seconds: float) -> None:
+        self.reply = reply
+        self.seconds = seconds
+
+
+class Outcome:
+    """A reply that comes later: the backend's :class:`~elockd.backend.interface.Later` result,
+    and what turns it into the reply. ``waits`` marks a request waiting for a grant,
+    which the server abandons when its client goes away."""
+
+    __slots__ = ("family", "finish", "later", "peer")
+
+    def __init__(
+        self,
+        later: Later[Any],
+        finish: Callable[[Any], bytes | Streamed],
+        family: Family,
+        peer: bytes,
+    ) -> None:
+        self.later = later
+        self.finish = finish
+        self.family = family
+        self.peer = peer
+
+    @property
+    def waits(self) -> bool:
+        return self.later.waits
+
+    async def settle(self) -> bytes | Streamed:
+        """The reply, once the backend has answered (a refusal in the family's style
+        when it refused: a limit, or etcd without quorum)."""
+        try:
+            value = await self.later.run()
+        except REFUSALS as error:
+            return self.family.refusal(error, self.peer)
+        return self.finish(value)
+
+
+Reply = bytes | Outcome | Streamed | Delayed
+#: A handler: (connection, what follows the verb, now) for the terse family, and
+#: (connection, the split arguments, now) for the word family.
+Handler = Callable[["Connection", Any, float], Reply]
+
+
+def answer(
+    result: Result[T], finish: Callable[[T], bytes | Streamed], family: Family, peer: bytes
+) -> Reply:
+    """The reply to a backend operation's result: ``finish(value)`` now, or an
+    :class:`Outcome` that finishes the same way once the value comes."""
+    if isinstance(result, Later):
+        return Outcome(result, finish, family, peer)
+    return finish(result)
+
+
+class Command:
+    """One verb of the table: its family, what it takes, whether it may be asked
+    before ``auth``, and its handler. A word verb takes at most ``arguments``
+    positional arguments and the ``options`` named; the dispatcher splits them into
+    :class:`~elockd.protocol.arguments.Args` before the handler runs. A terse verb's handler
+    gets the rest of the line (its key is the whole of it)."""
+
+    __slots__ = (
+        "arguments",
+        "call",
+        "family",
+        "handler",
+        "needs_auth",
+        "options",
+        "raw",
+        "secret",
+        "verb",
+    )
+
+    def __init__(
+        self,
+        verb: bytes,
+        family: Family,
+        handler: Handler,
+        *,
+        arguments: int = 0,
+        options: frozenset[bytes] = frozenset(),
+        needs_auth: bool = True,
+        raw: bool = False,
+        secret: bool = False,
+    ) -> None:
+        """``raw``: a word verb whose handler takes the rest of the line as it is
+        (``auth``: a token may hold blanks). ``secret``: its arguments or its reply
+        carry a bearer secret (a token, a session id), which no log may show."""
+        self.verb = verb
+        self.family = family
+        self.handler = handler
+        self.arguments = arguments
+        self.options = options
+        self.needs_auth = needs_auth
+        self.raw = raw
+        self.secret = secret
+        # What the dispatcher calls: the handler itself when it takes the rest of
+        # the line (the terse family: the hot path pays no extra call), else one
+        # that splits the arguments first.
+        self.call: Callable[[Connection, bytes, float], Reply] = (
+            handler if family is TERSE or raw else self._split_then_handle
+        )
+
+    def _split_then_handle(self, conn: Connection, rest: bytes, now: float) -> Reply:
+        args = Args(rest, self.options, self.arguments, conn.service.config.max_ttl)
+        return self.handler(conn, args, now)
+
+
+def _refused_before_auth(command: Command) -> Command:
+    """The stand-in for ``command`` until ``auth`` succeeds: refused, nothing done."""
+    refusal = command.family.auth_required
+    return Command(command.verb, TERSE, lambda conn, rest, now: refusal)
+
+
+class Service:
+    """What every connection shares: the backend, the command table, the counters,
+    the settings."""
+
+    def __init__(
+        self,
+        config: Config,
+        backend: Backend,
+        commands: Mapping[bytes, Command],
+        auth_token: bytes | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.commands = commands
+        # Runs beside the listeners for the server's lifetime (the cluster's watch
+        # and keepalives), started before the first connection is accepted.
+        self.background: Callable[..., Awaitable[None]] | None = None
+        self.replies: TerseReplies = STYLES[config.replies]
+        self.counters = Counters(list(self.commands))
+        # Wait and hold times for /metrics; the backend feeds them only once a
+        # metrics registry asks for them (feed_timings), so without a metrics port
+        # no release pays for the hook.
+        self.timings = Timings()
+        self.connections: set[Connection] = set()
+        # Connections that set a name with `iam`, oldest naming first (for `who`).
+        self.named: dict[Connection, None] = {}
+        self.auth_token = auth_token
+        # Stops every connection between two requests for a hand-over (elockd.handover.pause).
+        self.pause = Pause()
+        # Before `auth` succeeds a connection dispatches through this table, where
+        # every verb that needs auth is refused: no per-request check on the hot path.
+        self.unauthenticated_commands = {
+            verb: command if not command.needs_auth else _refused_before_auth(command)
+            for verb, command in self.commands.items()
+        }
+
+    def feed_timings(self) -> None:
+        """Point the backend's wait and hold hooks at :attr:`timings` (unless the
+        caller wired its own)."""
+        backend = self.backend
+        if backend.on_wait_end is None:
+            backend.on_wait_end = self.timings.wait_ended
+        if backend.on_hold_end is None:
+            backend.on_hold_end = self.timings.hold_ended
+            backend.on_holds_end = self.timings.holds_ended
+
+    def snapshot(self) -> dict[str, int]:
+        return snapshot(self.backend, self.counters)
+
+    def new_session_id(self) -> str:
+        """128 random bits from the OS CSPRNG: a session id is a bearer secret."""
+        return secrets.token_hex(16)
+
+
+class Connection:
+    """One client connection: its session, its name, and request dispatch."""
+
+    __slots__ = (
+        "abort",
+        "backend",
+        "closing",
+        "command_counts",
+        "commands",
+        "peer",
+        "replies",
+        "service",
+        "session",
+    )
+
+    def __init__(
+        self,
+        service: Service,
+        peer: bytes,
+        session: Session | None = None,
+        *,
+        counted: bool = False,
+    ) -> None:
+        """``session``: an existing one this connection serves on (a hand-over's
+        successor); else a new session is opened. ``counted``: the accept loop counted
+        the connection in ``connections`` already (it counts at accept, so that the
+        count never lags behind connections the server has taken)."""
+        self.service = service
+        self.backend = service.backend
+        self.replies = service.replies
+        self.peer = peer
+        if session is None:
+            session = service.backend.open_session(service.new_session_id(), peer)
+            session.grace = service.config.grace
+        self.session = session
+        self.closing = False  # set by `quit` and a failed `auth`: close after this reply
+        # Set by the server: ends this connection (the backend lost its session).
+        self.abort: Callable[[], None] | None = None
+        self.command_counts = service.counters.commands
+        self.commands = (
+            service.commands if service.auth_token is None else service.unauthenticated_commands
+        )
+        service.connections.add(self)
+        if not counted:
+            service.counters.connections += 1
+
+    def handle(self, line: bytes | None, now: float) -> Reply:
+        """Answer one request line (None stands for an over-long line).
+
+        This runs once per request, so the common shape (``verb`` or ``verb args``
+        with single spaces) is split with one ``partition``; anything else (leading
+        blanks, tabs, unknown verbs) takes :func:`_split_carefully`.
+        """
+        if line is None:
+            self.service.counters.invalid_commands += 1
+            return LINE_TOO_LONG
+        if line[-1:] == b"\r":
+            line = line[:-1]
+        verb, _, rest = line.partition(b" ")
+        command = self.commands.get(verb)
+        if command is None:
+            verb, rest = _split_carefully(line)
+            command = self.commands.get(verb)
+            if command is None:
+                self.service.counters.invalid_commands += 1
+                return self.replies.unknown_verb(verb[:INVALID_VERB_SHOWN])
+        self.command_counts[verb] += 1
+        try:
+            return command.call(self, rest, now)
+        except BadRequest as error:
+            return b"400 Bad Request: %s\r\n" % str(error).encode()
+        except REFUSALS as error:
+            return command.family.refusal(error, self.peer)
+
+    def set_abort(self, abort: Callable[[], None]) -> None:
+        """How the backend may end this connection (its session was lost)."""
+        self.abort = abort
+        self.session.abort = abort
+
+    def adopt(self, session: Session) -> None:
+        """``conn_id``: this connection now serves ``session``."""
+        session.abort = self.abort
+        self.session = session
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests that need ``auth`` are served (no token, or ``auth`` done)."""
+        return self.commands is self.service.commands
+
+    def authenticate(self) -> None:
+        self.commands = self.service.commands
+
+    def check_token(self, token: bytes) -> bool:
+        """``auth TOKEN``: constant-time comparison, so timing leaks nothing."""
+        expected = self.service.auth_token
+        if expected is None:
+            return True
+        if not hmac.compare_digest(token, expected):
+            return False
+        self.commands = self.service.commands
+        return True
+
+    def close(self, now: float) -> None:
+        """The connection is gone: its session follows its grace rule."""
+        if self in self.service.connections:
+            self.service.connections.discard(self)
+            self.service.named.pop(self, None)
+            self.service.counters.connections -= 1
+            self.service.backend.disconnect(self.session, now)
+
+
+def _split_carefully(line: bytes) -> tuple[bytes, bytes]:
+    """The verb and the rest of a line with outer blanks dropped; the verb ends at the
+    first space or tab."""
+    line = line.strip(b" \t")
+    cut = line.find(b" ")
+    tab = line.find(b"\t", 0, len(line) if cut < 0 else cut)
+    if tab >= 0:
+        cut = tab
+    if cut < 0:
+        return line, b""
+    return line[:cut], line[cut + 1 :]
