@@ -36,14 +36,14 @@ test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
-# The safety checker (tests/safety.py) for longer than `make test` runs it:
+# The safety checker (tests/support/safety.py) for longer than `make test` runs it:
 # many clients in several processes, random SIGKILLs, every grant checked; against
 # one in-memory server, then against two cluster nodes over a 3-member etcd. Also a
 # vanished client host with default flags (its lock freed within --keepalive 30), and
 # a vanished waiter's host whose grant went out during the cut (freed within 24 s + 1 s).
 # And the in-memory run with five hand-overs to a successor (docs/upgrade.md), which
 # clients must not notice, for HANDOVER_STRESS_SECONDS.
-# And the cluster under real network partitions (tests/partition_lab.py, docs/cluster.md):
+# And the cluster under real network partitions (tests/support/partition_lab.py, docs/cluster.md):
 # 10 runs of a node cut from etcd (loss, link down, 2 s delay), the stale-watch
 # sequence, flapping for 60 s and a 30 s cut, each run's figures printed.
 STRESS_SECONDS ?= 60

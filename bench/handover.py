@@ -3,7 +3,7 @@
     python bench/handover.py --connections 10000 --locks 100
 
 starts an elockd with ``--control-socket``, opens CONNECTIONS connections that take
-LOCKS locks each (tests/crowd.py, in a process of its own), runs a probe doing
+LOCKS locks each (tests/support/crowd.py, in a process of its own), runs a probe doing
 ``g``/``r`` every 5 ms on a connection of its own, then starts ``elockd --take-over``
 and waits until the old process has exited. With ``--stuck N``, N more clients
 have sent ``d``/``q`` requests with a tiny receive buffer and read nothing, until
@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CROWD = ROOT / "tests" / "crowd.py"
+CROWD = ROOT / "tests" / "support" / "crowd.py"
 
 
 def start(args: list[str], lines: list[str]) -> tuple[subprocess.Popen[str], int]:
     """elockd on a free port (the tests' own starter: it drains the log into ``lines``)."""
     sys.path.insert(0, str(ROOT))
-    from tests.server_process import start_server
+    from tests.support.server_process import start_server
 
     return start_server(*args, log=lines)
 

@@ -19,7 +19,7 @@ The etcd rows (``--only etcd`` runs just them, ``--skip etcd`` leaves them out;
 ``--etcd-clients`` one or more client counts, ``--etcd-session-ttl``; the burst
 and idle rows of bench/etcd_scale.py with ``--etcd-burst N``, 0 for none,
 ``--etcd-burst-wait``, ``--etcd-idle-seconds``) start a real 3-member etcd cluster
-(Debian's ``etcd-server``, through ``tests/etcd_cluster.py``) and two elockd nodes
+(Debian's ``etcd-server``, through ``tests/support/etcd_cluster.py``) and two elockd nodes
 in cluster mode on one fresh key prefix, and drive them from threads of this
 script over plain sockets, one request per round trip: the operations take
 milliseconds, so the C generator is not needed, and the script's own CPU is
@@ -696,9 +696,9 @@ def on(port: int, key: bytes, cycle: Cycle, holders: Holders | None = None) -> C
 
 
 def started_etcd(stack: contextlib.ExitStack, name: str) -> tuple[Path, Any]:
-    """A fresh 3-member etcd cluster (tests/etcd_cluster.py) in a temporary
+    """A fresh 3-member etcd cluster (tests/support/etcd_cluster.py) in a temporary
     directory, both gone when ``stack`` closes: the directory and the cluster."""
-    from tests.etcd_cluster import EtcdCluster
+    from tests.support.etcd_cluster import EtcdCluster
 
     base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"elockd-bench-{name}-")))
     cluster = EtcdCluster(base)

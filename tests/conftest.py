@@ -14,10 +14,9 @@ in real time), so the same test runs on both.
 from __future__ import annotations
 
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,96 +26,16 @@ import trustme
 
 from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
-from elockd.protocol.connection import Service
-from tests.cluster_nodes import Nodes
-from tests.etcd_cluster import EtcdCluster
-from tests.server_process import start_server, stop_server
+from tests.support.cluster_nodes import Nodes
+from tests.support.etcd_cluster import EtcdCluster
+from tests.support.line_client import RunningServer
+from tests.support.server_process import start_server, stop_server
 
 
 @pytest.fixture
 def mock_clock() -> trio.testing.MockClock:
     """Time that jumps ahead whenever every task is blocked: sleeps cost nothing."""
     return trio.testing.MockClock(autojump_threshold=0)
-
-
-class LineClient:
-    """A test client: send raw bytes, read ``\\r\\n``-terminated reply lines."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self._buffer = b""
-
-    async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
-
-    async def line(self) -> bytes:
-        """The next reply line, ``\\r\\n`` included."""
-        while b"\r\n" not in self._buffer:
-            chunk = await self.stream.receive_some(65536)
-            if not chunk:
-                raise EOFError(f"connection closed; partial {self._buffer!r}")
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\r\n")
-        return line + b"\r\n"
-
-    async def lines_until_end(self) -> list[bytes]:
-        """Lines of a multi-line reply, up to and including ``END``."""
-        lines = []
-        while True:
-            line = await self.line()
-            lines.append(line)
-            if line == b"END\r\n":
-                return lines
-
-    @property
-    def peer(self) -> bytes:
-        """``IP:PORT`` of this client, as the server names it."""
-        host, port = self.stream.socket.getsockname()[:2]
-        return b"%s:%d" % (host.encode(), port)
-
-    async def reply(self, line: bytes) -> bytes:
-        """Send one request line; its one-line reply, ``\r\n`` included."""
-        await self.send(line + b"\n")
-        return await self.line()
-
-    async def listing(self, line: bytes) -> bytes:
-        """Send one request line; its multi-line reply, up to and including END."""
-        await self.send(line + b"\n")
-        return b"".join(await self.lines_until_end())
-
-    async def request(self, line: bytes) -> bytes:
-        """Send one request line and return its one-line reply (without ``\\r\\n``)."""
-        await self.send(line + b"\n")
-        return (await self.line())[:-2]
-
-    async def stats(self) -> dict[str, int]:
-        await self.send(b"q\n")
-        lines = await self.lines_until_end()
-        values = {}
-        for line in lines[:-1]:
-            name, _, value = line[:-2].decode().partition(": ")
-            values[name] = int(value)
-        return values
-
-    async def at_eof(self) -> bool:
-        """True once the server has closed the connection (and sent nothing more)."""
-        return self._buffer == b"" and await self.stream.receive_some(1) == b""
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-@dataclass
-class RunningServer:
-    port: int
-    service: Service
-    config: Config
-    _clients: list[LineClient]
-
-    async def connect(self) -> LineClient:
-        client = LineClient(await trio.open_tcp_stream("127.0.0.1", self.port))
-        self._clients.append(client)
-        return client
 
 
 @pytest.fixture
@@ -210,31 +129,19 @@ def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluste
 
 @pytest.fixture
 def spawn_server() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]:
-    """Start ``python -m elockd`` as a real process on a free port; stopped afterwards."""
+    """Start ``python -m elockd`` as a real process on a free port (through
+    :func:`tests.support.server_process.start_server`, which drains its stderr; pass
+    ``log=[]`` to keep what it logs); stopped afterwards."""
     processes: list[subprocess.Popen[str]] = []
 
-    def start(*args: str) -> tuple[subprocess.Popen[str], int]:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "elockd", "--port", "0", "--metrics-port", "0", *args],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    def start(*args: str, log: list[str] | None = None) -> tuple[subprocess.Popen[str], int]:
+        process, port = start_server(*args, log=log)
         processes.append(process)
-        assert process.stderr is not None
-        for line in process.stderr:
-            if "listening on" in line:
-                first = line.split("listening on ", 1)[1].split(",")[0]
-                port = int(first.rsplit(":", 1)[1])
-                return process, port
-        raise RuntimeError(f"server did not start (exit {process.wait()})")
+        return process, port
 
     yield start
     for process in processes:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        if process.stderr:
-            process.stderr.close()
+        stop_server(process)
 
 
 @pytest.fixture(scope="module")

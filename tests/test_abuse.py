@@ -16,10 +16,9 @@ import math
 import random
 import signal
 import socket
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 import pytest
@@ -31,11 +30,10 @@ from elockd.daemon.server import make_service, serve_stream
 from elockd.net.serving import REPLY_FLUSH_BYTES
 from elockd.protocol.connection import Connection, Streamed
 from elockd.protocol.framing import LineReader
-from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually, eventually_blocking, stats_showing
-from tests.sansio import memory_service
-
-SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
+from tests.support.line_client import LineClient, RunningServer
+from tests.support.polling import eventually, eventually_blocking, stats_showing
+from tests.support.sansio import memory_service
+from tests.support.server_process import SpawnServer, drained
 
 # ------------------------------------------------------------------ in-process
 
@@ -417,7 +415,8 @@ def test_pipeliner_that_never_reads_is_throttled_then_dropped(spawn_server: Spaw
 def test_sigterm_under_load_exits_zero_promptly(spawn_server: SpawnServer) -> None:
     """SIGTERM while 24 clients take, wait for and release locks as fast as they can:
     exit 0 within seconds, and no traceback on stderr."""
-    process, port = spawn_server()
+    lines: list[str] = []
+    process, port = spawn_server(log=lines)
     stop = threading.Event()
     done = [0] * 24
 
@@ -452,8 +451,8 @@ def test_sigterm_under_load_exits_zero_promptly(spawn_server: SpawnServer) -> No
         stop.set()
         for thread in threads:
             thread.join(10)
-    assert process.stderr is not None
-    log = process.stderr.read()
+    drained(process)
+    log = "".join(lines)
     print(
         f"\nSIGTERM with 24 busy clients ({sum(done)} rounds done): exit {code} in {elapsed:.3f} s"
     )

@@ -18,9 +18,9 @@ from elockd.daemon.logthrottle import LogThrottle
 from elockd.daemon.server import make_service, serve
 from elockd.daemon.startup import StartupError
 from elockd.protocol.connection import Connection
-from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually
-from tests.sansio import memory_service
+from tests.support.line_client import LineClient, RunningServer
+from tests.support.polling import eventually
+from tests.support.sansio import memory_service
 
 
 @pytest.mark.parametrize("server_config", [Config(max_holds=2)])

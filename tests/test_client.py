@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import ssl
-import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -45,10 +44,9 @@ from elockd.client.core import (
 )
 from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
-from tests.conftest import RunningServer
-from tests.foreign_service import foreign_service
-
-SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
+from tests.support.foreign_service import foreign_service
+from tests.support.line_client import RunningServer
+from tests.support.server_process import SpawnServer
 
 
 async def test_lock_token_contention_and_release(server: RunningServer) -> None:

@@ -30,8 +30,8 @@ from elockd.client import (
     ReplyTimeout,
     Unavailable,
 )
-from tests.foreign_service import foreign_service
-from tests.server_process import start_server, stop_server
+from tests.support.foreign_service import foreign_service
+from tests.support.server_process import start_server, stop_server
 
 
 @pytest.fixture(scope="module")

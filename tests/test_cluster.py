@@ -15,11 +15,11 @@ import pytest
 import trio
 
 from elockd.backend.cluster.etcd.client import EtcdClient, KeyValue, prefix_end
-from tests.cluster_nodes import TEST_SESSION_TTL, Node, Nodes
-from tests.conftest import LineClient
-from tests.etcd_cluster import EtcdCluster, free_ports
-from tests.polling import eventually, nothing_arrives, resumed, stats_showing, until_waiting
-from tests.server_process import start_server, stop_server
+from tests.support.cluster_nodes import TEST_SESSION_TTL, Node, Nodes
+from tests.support.etcd_cluster import EtcdCluster, free_ports
+from tests.support.line_client import LineClient
+from tests.support.polling import eventually, nothing_arrives, resumed, stats_showing, until_waiting
+from tests.support.server_process import start_server, stop_server
 from tests.test_metrics import parse, tool, value
 
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.

@@ -23,10 +23,10 @@ import pytest
 import trio
 
 from elockd.backend.cluster.etcd.client import EtcdClient
-from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
-from tests.conftest import LineClient
-from tests.etcd_cluster import EtcdCluster, member_status
-from tests.polling import NotInTime, eventually, until_waiting
+from tests.support.cluster_nodes import TEST_SESSION_TTL, Nodes
+from tests.support.etcd_cluster import EtcdCluster, member_status
+from tests.support.line_client import LineClient
+from tests.support.polling import NotInTime, eventually, until_waiting
 
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
 pytestmark = pytest.mark.cluster

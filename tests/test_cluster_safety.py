@@ -1,4 +1,4 @@
-"""The safety checker (tests/safety.py) against two cluster nodes at once.
+"""The safety checker (tests/support/safety.py) against two cluster nodes at once.
 
 Worker processes open their sessions on either node at random, so the clients of
 one lock key sit on different nodes and only etcd can keep them apart; workers are
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_nodes import Nodes
-from tests.safety import ServerChain, run
+from tests.support.cluster_nodes import Nodes
+from tests.support.safety import ServerChain, run
 
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
 pytestmark = pytest.mark.cluster

@@ -37,6 +37,7 @@ from elockd.daemon.bounds import (
 )
 from elockd.daemon.server import keepalive_settings, tune_accepted
 from elockd.net.unix_socket import UNIX_PATH_MAX
+from tests.support.server_process import start_server, stop_server
 
 # ------------------------------------------------------------ what is bad
 
@@ -288,25 +289,8 @@ def test_a_successor_refuses_what_the_running_server_would_refuse(tmp_path: Path
     crashed on its next connection. Now it exits 2 before it asks for anything,
     and the old process serves on with its locks."""
     control = str(tmp_path / "control.sock")
-    old = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "elockd",
-            *("--port", "0", "--metrics-port", "0"),
-            "--control-socket",
-            control,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    old, port = start_server("--control-socket", control)
     try:
-        assert old.stderr is not None
-        port = 0
-        for line in old.stderr:
-            if "listening on" in line:
-                port = int(line.split("listening on ", 1)[1].split(",")[0].rsplit(":", 1)[1])
-                break
         with socket.create_connection(("127.0.0.1", port), timeout=10) as holder:
             holder.sendall(b"g kept\n")
             assert holder.recv(100) == b"1 Got Lock\r\n"
@@ -324,8 +308,7 @@ def test_a_successor_refuses_what_the_running_server_would_refuse(tmp_path: Path
     finally:
         old.send_signal(signal.SIGTERM)
         old.wait(timeout=10)
-        if old.stderr:
-            old.stderr.close()
+        stop_server(old)
 
 
 # ------------------------------------------------------------ the kernel's bounds

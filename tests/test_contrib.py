@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from elockd.client import BlockingClient
-from tests.foreign_service import foreign_service
-from tests.polling import eventually_blocking
-from tests.server_process import start_server, stop_server
+from tests.support.foreign_service import foreign_service
+from tests.support.polling import eventually_blocking
+from tests.support.server_process import start_server, stop_server
 
 CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
 PROBE = CONTRIB / "elockd-probe.sh"

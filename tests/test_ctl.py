@@ -25,9 +25,9 @@ from elockd.ctl import args as ctl_args
 from elockd.ctl import lock as ctl_lock
 from elockd.ctl import main as ctl
 from elockd.ctl.status import EXIT_ERROR, EXIT_FALSE, EXIT_LOST, EXIT_USAGE
-from tests.foreign_service import foreign_service, quorumless_answer
-from tests.polling import eventually_blocking
-from tests.server_process import start_server, stop_server
+from tests.support.foreign_service import foreign_service, quorumless_answer
+from tests.support.polling import eventually_blocking
+from tests.support.server_process import start_server, stop_server
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from elockd.ctl.status import EXIT_ERROR
-from tests.foreign_service import foreign_service
-from tests.server_process import mutual_tls_flags, start_server, stop_server
+from tests.support.foreign_service import foreign_service
+from tests.support.server_process import mutual_tls_flags, start_server, stop_server
 from tests.test_ctl import ctl_process, one_line
 
 #: Long enough that a test passing under it cannot have waited for a reply timeout.

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from elockd.client import BlockingClient
-from tests.polling import eventually_blocking
-from tests.server_process import start_server, stop_server
+from tests.support.polling import eventually_blocking
+from tests.support.server_process import start_server, stop_server
 
 FLOCK = shutil.which("flock")
 names = itertools.count()

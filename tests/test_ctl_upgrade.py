@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from elockd.client import BlockingClient
-from tests.polling import eventually_blocking
-from tests.server_process import start_server, stop_server
+from tests.support.polling import eventually_blocking
+from tests.support.server_process import start_server, stop_server
 
 ELOCKCTL = f"{sys.executable} -m elockd.ctl.main"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from elockd.ctl.args import build_parser
-from tests.server_process import mutual_tls_flags, start_server, stop_server
+from tests.support.server_process import mutual_tls_flags, start_server, stop_server
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SESSION_ID = re.compile(r"\b[0-9a-f]{32}\b")

@@ -18,7 +18,8 @@ import h11
 import pytest
 import trio
 
-from elockd.backend.cluster import etcd_client, etcd_transport
+from elockd.backend.cluster.etcd import client as etcd_client
+from elockd.backend.cluster.etcd import transport as etcd_transport
 from elockd.backend.cluster.etcd.client import (
     EtcdClient,
     EtcdError,
@@ -34,8 +35,8 @@ from elockd.backend.cluster.etcd.client import (
     put_op,
     range_op,
 )
-from tests.etcd_cluster import EtcdCluster, free_ports
-from tests.polling import eventually
+from tests.support.etcd_cluster import EtcdCluster, free_ports
+from tests.support.polling import eventually
 
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
 pytestmark = pytest.mark.cluster

@@ -27,7 +27,7 @@ from elockd.daemon.config import Config
 from elockd.engine.sessions import WAITING
 from elockd.protocol.connection import LINE_TOO_LONG, Connection, Outcome
 from elockd.protocol.framing import LineReader
-from tests.sansio import memory_service, waiting, whole
+from tests.support.sansio import memory_service, waiting, whole
 
 MULTI_LINE_VERBS = {b"q", b"d", b"sd", b"dump", b"who", b"stats"}
 #: glockd's dialect: listings without END, and silent when they match nothing.

@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from elockd.daemon.config import Config
-from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually
+from tests.support.line_client import LineClient, RunningServer
+from tests.support.polling import eventually
 
 SILENCE = 0.1  # what the Node library waits before it takes a reply as complete
 

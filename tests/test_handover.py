@@ -21,12 +21,12 @@ import pytest
 import trio
 import trustme
 
-from tests.conftest import LineClient
-from tests.hostile_tools import Probe, latency_probe
-from tests.polling import eventually, resumed, until_waiting
-from tests.server_process import start_server, stop_server
+from tests.support.hostile_tools import Probe, latency_probe
+from tests.support.line_client import LineClient
+from tests.support.polling import eventually, resumed, until_waiting
+from tests.support.server_process import start_server, stop_server
 
-FAKE_SUCCESSOR = str(Path(__file__).with_name("fake_successor.py"))
+FAKE_SUCCESSOR = str(Path(__file__).parent / "support" / "fake_successor.py")
 
 
 @contextmanager
@@ -119,7 +119,7 @@ class GetReleaseLoop:
 
 
 async def run_fake_successor(control: Path, how: str) -> None:
-    """tests/fake_successor.py doing ``how`` to the server at ``control``: it must
+    """tests/support/fake_successor.py doing ``how`` to the server at ``control``: it must
     have done what it was told."""
     fake = await trio.run_process(
         [sys.executable, FAKE_SUCCESSOR, str(control), how], capture_stdout=True, check=False

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.cluster_nodes import TEST_SESSION_TTL, Nodes
-from tests.polling import eventually, until_waiting
-from tests.server_process import stop_server
+from tests.support.cluster_nodes import TEST_SESSION_TTL, Nodes
+from tests.support.polling import eventually, until_waiting
+from tests.support.server_process import stop_server
 from tests.test_handover import (
     FAKE_SUCCESSOR,
     GetReleaseLoop,

@@ -45,7 +45,7 @@ from elockd.protocol.commands import COMMANDS
 from elockd.protocol.connection import WORD, Connection, Outcome, Service
 from elockd.protocol.framing import LineReader
 from elockd.protocol.word import WAIT_REPLIES
-from tests.sansio import whole
+from tests.support.sansio import whole
 
 #: A key of every byte a latin-1 round trip could get wrong.
 HIGH_KEY = bytes(range(0x80, 0x100))

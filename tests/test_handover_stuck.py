@@ -17,10 +17,11 @@ import trustme
 
 from elockd.handover.pause import Pause
 from elockd.net.transport import UNSENT_LIMIT, SocketTransport
-from tests.cluster_nodes import Nodes
-from tests.hostile_tools import free_port
-from tests.polling import until_waiting
-from tests.server_process import stop_server
+from tests.support.cluster_nodes import Nodes
+from tests.support.hostile_tools import free_port
+from tests.support.polling import until_waiting
+from tests.support.server_process import stop_server
+from tests.support.websocket_tools import RawWebSocket, masked_frame
 from tests.test_handover import (
     ask,
     connect,
@@ -32,7 +33,6 @@ from tests.test_handover import (
     tls_connect,
     wait_exit,
 )
-from tests.websocket_tools import RawWebSocket, masked_frame
 
 #: The stuck client's receive buffer: the kernel doubles it and keeps a floor.
 TINY_BUFFER = 4096

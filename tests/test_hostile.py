@@ -3,8 +3,8 @@ make the server hold stays bounded, and a crowd's churn does not stall the other
 
 One test per row of the attack table in docs/operations.md ("Hostile clients").
 Each test measures the server's RSS from /proc and the worst round trip of a probe
-doing ``g``/``r`` on its own connection while the attack runs (tests/hostile_tools.py).
-Crowds of thousands of connections run in their own process (tests/crowd.py), so the
+doing ``g``/``r`` on its own connection while the attack runs (tests/support/hostile_tools.py).
+Crowds of thousands of connections run in their own process (tests/support/crowd.py), so the
 probe measures the server and not the test's own loop.
 """
 
@@ -24,10 +24,10 @@ import pytest
 import trio
 
 from elockd.daemon.server import keepalive_settings
-from tests.hostile_tools import free_port, latency_probe, rss_bytes
-from tests.netns import client_host, why_namespaces_cannot_be_made
-from tests.polling import eventually
-from tests.server_process import start_server, stop_server
+from tests.support.hostile_tools import free_port, latency_probe, rss_bytes
+from tests.support.netns import client_host, why_namespaces_cannot_be_made
+from tests.support.polling import eventually
+from tests.support.server_process import start_server, stop_server
 
 # Probe latencies are measured against a bound: run alone, not beside other tests.
 pytestmark = pytest.mark.serial
@@ -41,10 +41,10 @@ PROBE_BOUND = 0.2
 #: batches. The million holds they free are sliced and add little to that floor
 #: (docs/operations.md); measured 60-160 ms on the 2-core VM, up to 224 ms under CI.
 DROP_PROBE_BOUND = 0.3
-CROWD = str(Path(__file__).with_name("crowd.py"))
-VANISHING_CLIENT = str(Path(__file__).with_name("vanishing_client.py"))
-VANISHING_WAITER = str(Path(__file__).with_name("vanishing_waiter.py"))
-SCRAPER = str(Path(__file__).with_name("scraper.py"))
+CROWD = str(Path(__file__).parent / "support" / "crowd.py")
+VANISHING_CLIENT = str(Path(__file__).parent / "support" / "vanishing_client.py")
+VANISHING_WAITER = str(Path(__file__).parent / "support" / "vanishing_waiter.py")
+SCRAPER = str(Path(__file__).parent / "support" / "scraper.py")
 
 
 @contextmanager
@@ -59,7 +59,7 @@ def server(
 
 
 class Crowd:
-    """tests/crowd.py as a child process, driven line by line."""
+    """tests/support/crowd.py as a child process, driven line by line."""
 
     def __init__(self, port: int, connections: int, lines: int, template: str, expect: int):
         self.process = subprocess.Popen(

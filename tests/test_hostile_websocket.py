@@ -28,18 +28,18 @@ from elockd.engine.sessions import Session
 from elockd.handover.pause import Parked
 from elockd.net.websocket import WebSocketTransport
 from elockd.protocol.connection import Connection
-from tests.conftest import LineClient
-from tests.hostile_tools import free_port, latency_probe, rss_bytes
-from tests.netns import client_host, why_namespaces_cannot_be_made
-from tests.polling import NotInTime, eventually
-from tests.server_process import start_server, stop_server
-from tests.websocket_tools import OPCODE_TEXT, RawWebSocket, masked_frame
+from tests.support.hostile_tools import free_port, latency_probe, rss_bytes
+from tests.support.line_client import LineClient
+from tests.support.netns import client_host, why_namespaces_cannot_be_made
+from tests.support.polling import NotInTime, eventually
+from tests.support.server_process import start_server, stop_server
+from tests.support.websocket_tools import OPCODE_TEXT, RawWebSocket, masked_frame
 
 MB = 1 << 20
 PROBE_BOUND = 0.2
 #: A WebSocket ``d`` over 500,000 locks may stall the probe this long at worst.
 DUMP_PROBE_BOUND = 0.1
-WEBSOCKET_CLIENT = str(Path(__file__).with_name("websocket_client.py"))
+WEBSOCKET_CLIENT = str(Path(__file__).parent / "support" / "websocket_client.py")
 
 
 @contextmanager

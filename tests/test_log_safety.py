@@ -34,8 +34,8 @@ from elockd.daemon.logs import SESSION_END_BURST, configure_logging, escape
 from elockd.daemon.logthrottle import LogThrottle
 from elockd.daemon.server import make_service, serve
 from elockd.engine.sessions import Session
-from tests.conftest import LineClient
-from tests.polling import eventually
+from tests.support.line_client import LineClient
+from tests.support.polling import eventually
 
 # ---------------------------------------------------------------- hostile text
 

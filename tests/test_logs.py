@@ -25,8 +25,8 @@ from elockd.daemon.logs import configure_logging, effective_configuration, redac
 from elockd.daemon.logthrottle import LogThrottle
 from elockd.daemon.server import make_service, serve
 from elockd.protocol.commands import COMMANDS
-from tests.conftest import LineClient
-from tests.polling import eventually, until_waiting
+from tests.support.line_client import LineClient
+from tests.support.polling import eventually, until_waiting
 
 
 def fields(record: logging.LogRecord, *names: str) -> dict[str, object]:

@@ -29,7 +29,7 @@ from elockd.engine.locks import LockEngine
 from elockd.net.metrics import EXTRA_METRICS, Exposition, make_registry, serve_metrics
 from elockd.protocol.connection import Service
 from elockd.protocol.stats import Buckets
-from tests.conftest import RunningServer
+from tests.support.line_client import RunningServer
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = ROOT / "contrib" / "prometheus"

@@ -18,8 +18,8 @@ import trio.testing
 
 from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
-from tests.conftest import RunningServer
-from tests.foreign_service import foreign_service
+from tests.support.foreign_service import foreign_service
+from tests.support.line_client import RunningServer
 
 PLUGIN = Path(__file__).resolve().parent.parent / "munin" / "elockd_"
 

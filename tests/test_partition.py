@@ -1,4 +1,4 @@
-"""A cluster under real network partitions (tests/partition_lab.py builds the lab).
+"""A cluster under real network partitions (tests/support/partition_lab.py builds the lab).
 
 Each test starts nodes A and B afresh in one lab of network namespaces (3 etcd
 members, two nodes, the clients, a switch), cuts something at the switch, and runs
@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.partition_clients import Outcome, figures
-from tests.partition_lab import Lab, lab, why_no_lab
-from tests.partition_runs import (
+from tests.support.partition_clients import Outcome, figures
+from tests.support.partition_lab import Lab, lab, why_no_lab
+from tests.support.partition_runs import (
     Scenario,
     clients_cut,
     describe,

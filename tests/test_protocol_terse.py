@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from elockd.daemon.config import Config
-from tests.conftest import LineClient, RunningServer
-from tests.polling import counted_stats, eventually, stats_showing
+from tests.support.line_client import LineClient, RunningServer
+from tests.support.polling import counted_stats, eventually, stats_showing
 
 ELOCKD, GLOCKD = "elockd", "glockd"
 

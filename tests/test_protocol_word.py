@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from elockd.daemon.config import Config
-from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually, resumed, stats_showing, until_waiting
+from tests.support.line_client import LineClient, RunningServer
+from tests.support.polling import eventually, resumed, stats_showing, until_waiting
 
 
 async def pair(server: RunningServer) -> tuple[LineClient, LineClient]:

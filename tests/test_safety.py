@@ -1,4 +1,4 @@
-"""The safety checker (tests/safety.py): a short real run, and proof that it can fail.
+"""The safety checker (tests/support/safety.py): a short real run, and proof that it can fail.
 
 ``STRESS_SECONDS`` sets the length of the real run (default 6 s; ``make stress``
 runs it longer); ``HANDOVER_STRESS_SECONDS`` that of the run with five hand-overs
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.safety import (
+from tests.support.safety import (
     Client,
     Record,
     Report,

@@ -12,7 +12,6 @@ import gc
 import signal
 import socket
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,9 @@ import trio
 
 from elockd.daemon.config import Config
 from elockd.daemon.server import GC_THRESHOLDS, tune_garbage_collector
-from tests.conftest import LineClient, RunningServer
-from tests.polling import counted_stats, eventually, stats_showing
-
-SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
+from tests.support.line_client import LineClient, RunningServer
+from tests.support.polling import counted_stats, eventually, stats_showing
+from tests.support.server_process import SpawnServer, drained
 
 
 async def test_contention_between_clients(lock_server: RunningServer, clock: object) -> None:
@@ -173,7 +171,8 @@ async def test_unix_socket(nursery: trio.Nursery, tmp_path: Path) -> None:
 def test_sigterm_frees_holds_and_exits_zero(spawn_server: SpawnServer) -> None:
     """A real in-memory server process (signals need one); a cluster node's SIGTERM
     is in test_cluster.py."""
-    process, port = spawn_server()
+    log: list[str] = []
+    process, port = spawn_server(log=log)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"g a\nsg b\n")
         received = b""
@@ -183,20 +182,21 @@ def test_sigterm_frees_holds_and_exits_zero(spawn_server: SpawnServer) -> None:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
         assert sock.recv(100) == b""  # the server closed our connection
-    assert process.stderr is not None
-    log = process.stderr.read()
-    assert "SIGTERM received" in log
-    assert "Traceback" not in log
+    drained(process)
+    assert "SIGTERM received" in "".join(log)
+    assert "Traceback" not in "".join(log)
 
 
 def test_sigint_also_stops_cleanly(spawn_server: SpawnServer) -> None:
     """A real in-memory server process: signals need one."""
-    process, port = spawn_server()
+    log: list[str] = []
+    process, port = spawn_server(log=log)
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=10) == 0
-    assert process.stderr is not None
-    assert "Traceback" not in process.stderr.read()
+    drained(process)
+    assert "SIGINT received" in "".join(log)  # the log is read at all
+    assert "Traceback" not in "".join(log)
 
 
 def test_nc_shell_probe(spawn_server: SpawnServer) -> None:

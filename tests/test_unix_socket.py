@@ -20,7 +20,7 @@ import trio
 from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
 from elockd.net.unix_socket import UnixPeers
-from tests.conftest import LineClient
+from tests.support.line_client import LineClient
 
 
 @contextmanager

@@ -18,9 +18,9 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from elockd.client import BlockingClient, Client
 from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
-from tests.conftest import LineClient
-from tests.hostile_tools import free_port
-from tests.polling import eventually, until_waiting
+from tests.support.hostile_tools import free_port
+from tests.support.line_client import LineClient
+from tests.support.polling import eventually, until_waiting
 
 
 @dataclass

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import signal
 import socket
-import subprocess
-from collections.abc import Callable
 
 import pytest
 import trio
 
 from elockd.daemon.config import Config
-from tests.conftest import LineClient, RunningServer
-from tests.polling import eventually, stats_showing, until_waiting
-
-SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
+from tests.support.line_client import LineClient, RunningServer
+from tests.support.polling import eventually, stats_showing, until_waiting
+from tests.support.server_process import SpawnServer
 
 #: How late a cluster node may be, in real time, past a wait, lease or grace end.
 SLACK = 0.75

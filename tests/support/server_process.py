@@ -1,5 +1,11 @@
-"""A real ``python -m elockd`` process for tests that need one outside the test's
-own trio run (the blocking client, elockctl, the contrib scripts, hostile clients)."""
+"""The one way the tests start a real ``python -m elockd`` process, for tests that
+need one outside the test's own trio run (signals, the blocking client, elockctl,
+the contrib scripts, hostile clients, cluster nodes).
+
+A thread drains the server's stderr for as long as the process lives, so a server
+that logs a lot can never block on a full pipe. A test that wants the log passes a
+``log`` list; after the process has exited, :func:`drained` waits until every line
+it wrote is in that list."""
 
 from __future__ import annotations
 
@@ -7,6 +13,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+
+#: What the ``spawn_server`` fixture hands a test: ``start(*args, log=None)``.
+SpawnServer = Callable[..., tuple[subprocess.Popen[str], int]]
+
+#: The drain thread of each started process, by pid.
+_drains: dict[int, threading.Thread] = {}
 
 
 def start_server(
@@ -38,15 +50,29 @@ def start_server(
                     if log is not None:
                         log.append(later)
 
-            threading.Thread(target=drain, daemon=True).start()
+            thread = threading.Thread(target=drain, daemon=True)
+            thread.start()
+            _drains[process.pid] = thread
             return process, int(first.rsplit(":", 1)[1])
     raise RuntimeError(f"server did not start (exit {process.wait()})")
 
 
+def drained(process: subprocess.Popen[str], timeout: float = 10) -> None:
+    """Wait until the exited ``process``'s whole stderr is in its ``log``."""
+    thread = _drains.get(process.pid)
+    if thread is not None:
+        thread.join(timeout)
+        assert not thread.is_alive(), f"stderr of pid {process.pid} still open after {timeout} s"
+
+
 def stop_server(process: subprocess.Popen[str]) -> None:
+    """SIGKILL (if it still runs), reap, and close its pipe."""
     if process.poll() is None:
         process.kill()
     process.wait()
+    thread = _drains.pop(process.pid, None)
+    if thread is not None:
+        thread.join(2)  # a child that kept the pipe open must not hold the test up
     if process.stderr:
         process.stderr.close()
 

@@ -39,7 +39,7 @@ a successor ``elockd --take-over`` takes the server over (docs/upgrade.md) while
 clients go on; each predecessor must exit 0, and clients must notice nothing. The
 final checks then run against the last process, which must count N hand-overs.
 
-Run it with ``python -m tests.safety run --seconds 60 [--handovers 5]`` (it starts its
+Run it with ``python -m tests.support.safety run --seconds 60 [--handovers 5]`` (it starts its
 own server), or through ``tests/test_safety.py`` (``make stress`` sets
 ``STRESS_SECONDS``, and ``HANDOVER_STRESS_SECONDS`` for the hand-over run) and,
 against two cluster nodes, ``tests/test_cluster_safety.py``.
@@ -67,7 +67,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tests.server_process import start_server, stop_server
+from tests.support.server_process import start_server, stop_server
 
 #: Keys taken exclusively (``g``, ``lock``, ``mlock``): few, so clients collide often.
 EXCLUSIVE_KEYS = [f"x{i}" for i in range(6)]
@@ -534,12 +534,12 @@ def spawn_worker(
 ) -> Any:
     return subprocess.Popen(
         [
-            sys.executable, "-m", "tests.safety", "worker",
+            sys.executable, "-m", "tests.support.safety", "worker",
             *itertools.chain.from_iterable(("--port", str(port)) for port in ports),
             "--seed", str(seed), "--clients", str(clients), "--deadline", repr(deadline),
             "--out", str(out_dir),
         ],
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],  # the repository root
     )  # fmt: skip
 
 
@@ -867,7 +867,7 @@ def final_state_problems(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.safety", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.support.safety", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     worker = commands.add_parser("worker", help="(internal) one worker process")
     worker.add_argument("--port", type=int, action="append", required=True)

@@ -1,6 +1,6 @@
 """A crowd of client connections in a process of its own, for tests/test_hostile.py.
 
-Run as ``python tests/crowd.py PORT CONNECTIONS LINES TEMPLATE [EXPECT]``: it opens
+Run as ``python tests/support/crowd.py PORT CONNECTIONS LINES TEMPLATE [EXPECT]``: it opens
 CONNECTIONS connections, sends LINES request lines on each (TEMPLATE with ``{c}`` the
 connection's number and ``{n}`` the line's), reads EXPECT reply lines on each (0: none
 yet), prints ``ready`` and then obeys commands on stdin, one per line:

@@ -1,6 +1,6 @@
 """Measuring tools for tests/test_hostile.py: a server's RSS, and a probe's latency.
 
-Each hostile test runs the server as its own process (tests/server_process.py), so
+Each hostile test runs the server as its own process (tests/support/server_process.py), so
 its resident memory can be read from /proc without counting the test's own, and a
 probe connection measures what every other client would feel while the attack runs.
 """

@@ -1,7 +1,7 @@
 """A scraper in a tight loop (tests/test_hostile.py): GET /metrics as fast as the
 server answers, on new connections, for SECONDS seconds.
 
-Run as ``python tests/scraper.py PORT SECONDS``.
+Run as ``python tests/support/scraper.py PORT SECONDS``.
 """
 
 from __future__ import annotations

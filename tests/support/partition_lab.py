@@ -3,7 +3,7 @@
 Processes that are stopped (SIGSTOP, SIGKILL) cannot answer their clients, so they
 can never confirm a hold they have lost. A node cut off from etcd can: it stays up
 for its clients while etcd frees its locks. This module builds a small network out
-of network namespaces (needs root and iproute2, like tests/netns.py; the cuts need
+of network namespaces (needs root and iproute2, like tests/support/netns.py; the cuts need
 nftables):
 
 * a switch namespace with one bridge, ``br0``;
@@ -19,8 +19,8 @@ switch ports, silently), **link down** (the switch's end of a veth), and **delay
 (node A reaches etcd through a proxy in its own namespace, which can hold every byte
 for 2 s: netem is not in every kernel).
 
-The clients and what they record are in tests/partition_clients.py, the scenarios
-and their command line in tests/partition_runs.py.
+The clients and what they record are in tests/support/partition_clients.py, the scenarios
+and their command line in tests/support/partition_runs.py.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Any
 
 import trio
 
-from tests.etcd_cluster import EtcdCluster
-from tests.netns import enter, ip, run_in, why_namespaces_cannot_be_made
-from tests.server_process import start_server, stop_server
+from tests.support.etcd_cluster import EtcdCluster
+from tests.support.netns import enter, ip, run_in, why_namespaces_cannot_be_made
+from tests.support.server_process import start_server, stop_server
 
 DELAY = 2.0  # how long the delay proxy holds every byte
 #: Last octet in the back network and, for those that serve or are clients, the front.

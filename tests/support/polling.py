@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import trio
 
-from tests.conftest import LineClient
+from tests.support.line_client import LineClient
 
 T = TypeVar("T")
 

@@ -1,10 +1,10 @@
 """A WebSocket client in a process of its own (tests/test_hostile_websocket.py), so that
 the test's probe measures the server and not the test's own event loop.
 
-``python tests/websocket_client.py hold HOST PORT KEY``: takes KEY with ``g``, prints
+``python tests/support/websocket_client.py hold HOST PORT KEY``: takes KEY with ``g``, prints
 the reply and stays forever, never closing (a host about to vanish).
 
-``python tests/websocket_client.py dump HOST PORT``: sends ``d``, reads the whole
+``python tests/support/websocket_client.py dump HOST PORT``: sends ``d``, reads the whole
 reply message, prints its size in bytes, and exits.
 """
 

@@ -1,11 +1,11 @@
 """The scenarios of the partition runs, and a command line to run them.
 
 A run (:func:`run_scenario`) starts nodes A and B (``--session-ttl``, a fresh key
-prefix) in the lab (tests/partition_lab.py), then its clients, its etcd watch and
-its script of cuts (tests/partition_clients.py), and returns what they recorded.
+prefix) in the lab (tests/support/partition_lab.py), then its clients, its etcd watch and
+its script of cuts (tests/support/partition_clients.py), and returns what they recorded.
 
-``python -m tests.partition_runs SCENARIO [--mode loss|down|delay] [--runs N]`` runs
-one kind and prints its figures; ``python -m tests.partition_runs pre-vote`` measures
+``python -m tests.support.partition_runs SCENARIO [--mode loss|down|delay] [--runs N]`` runs
+one kind and prints its figures; ``python -m tests.support.partition_runs pre-vote`` measures
 an isolated etcd leader with and without ``--pre-vote`` (docs/cluster.md).
 """
 
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import trio
 
-from tests.netns import run_in
-from tests.partition_clients import CLIENTS_PER_NODE, GONE, Figures, Outcome, Run, figures
-from tests.partition_lab import Lab, lab, why_no_lab
+from tests.support.netns import run_in
+from tests.support.partition_clients import CLIENTS_PER_NODE, GONE, Figures, Outcome, Run, figures
+from tests.support.partition_lab import Lab, lab, why_no_lab
 
 # ----------------------------------------------------------------- scenarios
 
@@ -319,7 +319,9 @@ def scenario_named(name: str, mode: str, ttl: int, seconds: float) -> Scenario:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.partition_runs", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.support.partition_runs", description=__doc__
+    )
     parser.add_argument(
         "scenario",
         choices=[

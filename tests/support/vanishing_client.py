@@ -2,7 +2,7 @@
 takes ``job`` with ``g``, prints the reply, and then just stays, as a process on a
 machine that loses power would: it never closes its connection.
 
-Run as ``python tests/vanishing_client.py HOST PORT``.
+Run as ``python tests/support/vanishing_client.py HOST PORT``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The clients of a partition run (tests/partition_lab.py is the lab) and the checks.
+"""The clients of a partition run (tests/support/partition_lab.py is the lab) and the checks.
 
 All of a run's clients, its etcd watch and its cuts live in one trio run inside
 the lab's clients namespace, so every time they record is on one clock: clients
@@ -6,7 +6,7 @@ contend for three keys with ``lock K 30``, poll ``token K`` every 0.1 s while th
 hold (each ``200 <token>`` is the node confirming the hold at that moment) and
 ``unlock K``; the watch records when etcd deleted each queue entry.
 
-:func:`figures` runs the project's safety checker (tests/safety.py) over the holds:
+:func:`figures` runs the project's safety checker (tests/support/safety.py) over the holds:
 a hold runs from its grant to the *sending* of its last confirmed ``token`` poll
 (the node confirmed it later than that), so two overlapping holds of one key are
 two confirmed holders at once. Besides that: confirmations sent after etcd had
@@ -28,8 +28,8 @@ from typing import Any
 import trio
 
 from elockd.backend.cluster.etcd.client import EtcdClient, prefix_end
-from tests.partition_lab import BROKEN, LabNode
-from tests.safety import Report, check
+from tests.support.partition_lab import BROKEN, LabNode
+from tests.support.safety import Report, check
 
 KEYS = ["x0", "x1", "x2"]
 CLIENTS_PER_NODE = 4

@@ -7,7 +7,7 @@ has acknowledged it, so the test knows when the server last heard from this host
 Then it stays, as a process on a machine that loses power would: it never reads its
 grant and never closes its connection.
 
-Run as ``python tests/vanishing_waiter.py HOST PORT``.
+Run as ``python tests/support/vanishing_waiter.py HOST PORT``.
 """
 
 from __future__ import annotations

@@ -12,15 +12,12 @@ import signal
 import subprocess
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import trio
 
-from tests.etcd_cluster import EtcdCluster
-from tests.server_process import start_server, stop_server
-
-if TYPE_CHECKING:
-    from tests.conftest import LineClient
+from tests.support.etcd_cluster import EtcdCluster
+from tests.support.line_client import LineClient
+from tests.support.server_process import start_server, stop_server
 
 #: Short, so crash tests finish quickly; etcd's floor is 2 s with a 1 s election.
 TEST_SESSION_TTL = 2
@@ -37,8 +34,6 @@ class Node:
     log: list[str] = field(default_factory=list)
 
     async def connect(self) -> LineClient:
-        from tests.conftest import LineClient  # conftest imports this module
-
         return LineClient(await trio.open_tcp_stream("127.0.0.1", self.port))
 
     def kill(self) -> None:

@@ -9,7 +9,7 @@ Members are only ever signalled by their own pid, never by name.
 
 Members run with the flags docs/cluster.md recommends (``--pre-vote``). Given
 ``places`` (an address and a network namespace per member), each member runs inside
-its own namespace on that address (tests/partition_lab.py); ``reach`` then runs the
+its own namespace on that address (tests/support/partition_lab.py); ``reach`` then runs the
 status calls where those addresses can be reached.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.netns import enter
+from tests.support.netns import enter
 
 T = TypeVar("T")
 

@@ -1,0 +1,1 @@
+"""Helpers the tests share: servers, clients, etcd clusters, network labs, checkers."""
