@@ -698,13 +698,10 @@ def on(port: int, key: bytes, cycle: Cycle, holders: Holders | None = None) -> C
 def started_etcd(stack: contextlib.ExitStack, name: str) -> tuple[Path, Any]:
     """A fresh 3-member etcd cluster (tests/support/etcd_cluster.py) in a temporary
     directory, both gone when ``stack`` closes: the directory and the cluster."""
-    from tests.support.etcd_cluster import EtcdCluster
+    from tests.support.etcd_cluster import running_cluster
 
     base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"elockd-bench-{name}-")))
-    cluster = EtcdCluster(base)
-    stack.callback(cluster.close)
-    cluster.start()
-    return base, cluster
+    return base, stack.enter_context(running_cluster(base))
 
 
 def etcd_node_command(port: int, endpoints: list[str], prefix: str, ttl: int) -> list[str]:

@@ -27,7 +27,7 @@ import trustme
 from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
 from tests.support.cluster_nodes import Nodes
-from tests.support.etcd_cluster import EtcdCluster
+from tests.support.etcd_cluster import EtcdCluster, running_cluster
 from tests.support.line_client import RunningServer
 from tests.support.server_process import start_server, stop_server
 
@@ -119,12 +119,8 @@ async def lock_server(
 def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
     """One 3-member etcd cluster for every contract test of the session (each test
     has its own key prefix); a missing etcd fails, never skips."""
-    cluster = EtcdCluster(tmp_path_factory.mktemp("shared-etcd"))
-    try:
-        cluster.start()
+    with running_cluster(tmp_path_factory.mktemp("shared-etcd")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture
@@ -185,12 +181,8 @@ def tls_files(ca: trustme.CA, tmp_path: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
     """One 3-member etcd cluster per test module; a missing etcd fails, never skips."""
-    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"))
-    try:
-        cluster.start()
+    with running_cluster(tmp_path_factory.mktemp("etcd")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture

@@ -232,26 +232,43 @@ def test_resume_after_a_dropped_connection(port: int) -> None:
 
 
 def test_rate_limiter_caps_concurrency_across_threads(port: int) -> None:
+    """Six threads through a limiter of 2: two at a time, never three, never one.
+
+    The first two inside wait for each other (a limiter that admits only one never
+    lets the second in, and the wait times out); each then keeps its slot 0.1 s, the
+    window in which a limiter that admitted a third would show it."""
     lock = threading.Lock()
     active = peak = 0
+    two_inside = threading.Event()
+    done: list[int] = []
 
-    def worker(limiter: BlockingRateLimiter) -> None:
+    def worker(index: int, limiter: BlockingRateLimiter) -> None:
         nonlocal active, peak
         with limiter.slot():
             with lock:
                 active += 1
                 peak = max(peak, active)
+                if active == 2:
+                    two_inside.set()
+            if not two_inside.wait(5):
+                return  # never two at once: done stays short
             time.sleep(0.1)
             with lock:
                 active -= 1
+        done.append(index)
 
     with BlockingRateLimiter("sync-partner-api", 2, port=port, wait=10) as limiter:
-        threads = [threading.Thread(target=worker, args=(limiter,)) for _ in range(6)]
+        threads = [
+            threading.Thread(target=worker, args=(index, limiter), daemon=True)
+            for index in range(6)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(10)
-    assert 1 <= peak <= 2  # 2 in practice: each slot is held for 0.1 s
+            thread.join(20)
+        assert [thread for thread in threads if thread.is_alive()] == []  # none timed out
+    assert sorted(done) == list(range(6))
+    assert peak == 2
 
 
 def test_lost_hold_reports_on_release(port: int) -> None:

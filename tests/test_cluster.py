@@ -26,6 +26,7 @@ from tests.test_metrics import parse, tool, value
 pytestmark = pytest.mark.cluster
 
 
+@pytest.mark.serial  # sub-second hand-off bound on real processes: run alone
 async def test_exclusive_across_nodes_and_fifo_handoff(nodes: Nodes) -> None:
     a, b = nodes.start(), nodes.start()
     first, second = await a.connect(), await b.connect()
@@ -217,6 +218,7 @@ async def test_multi_key_waiters_never_deadlock(nodes: Nodes) -> None:
 # ---------------------------------------------------------------- timeout
 
 
+@pytest.mark.serial  # sub-second bounds on real processes: run alone
 async def test_wait_timeout_leaves_no_entry_behind(nodes: Nodes) -> None:
     a, b = nodes.start(), nodes.start()
     holder, waiter = await a.connect(), await b.connect()
@@ -294,6 +296,7 @@ async def test_iam_names_a_hold_granted_just_before(nodes: Nodes) -> None:
 # ------------------------------------------------------------- disconnect
 
 
+@pytest.mark.serial  # sub-second bound on real processes: run alone
 async def test_disconnect_frees_holds_and_waits_at_once(nodes: Nodes) -> None:
     a, b = nodes.start(), nodes.start()
     holder, blocker = await named(a, b"holder"), await named(b, b"blocker")

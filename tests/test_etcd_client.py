@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
@@ -41,18 +40,7 @@ from tests.support.polling import eventually
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
 pytestmark = pytest.mark.cluster
 
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    """A fresh 3-member cluster; a missing etcd is a broken test setup, not a skip."""
-    if shutil.which("etcd") is None:
-        pytest.fail("etcd not found: install etcd-server (see .ci/run)")
-    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.close()
+# ``etcd`` (conftest.py): a fresh 3-member cluster per module.
 
 
 @pytest.fixture
@@ -282,29 +270,39 @@ async def test_a_backlog_of_calls_waits_its_turn_and_is_not_read_as_etcd_down(
 
 
 async def test_a_keepalive_is_not_queued_behind_the_backlog(nursery: trio.Nursery) -> None:
-    """Lease keepalives have places of their own: with the window full of slow calls
-    and more waiting, a keepalive is answered in about one round trip."""
+    """Lease keepalives have places of their own: with the window full of calls the
+    member holds and more waiting, a keepalive is answered while they all still wait
+    (the member lets the puts go only after it; a keepalive queued behind them would
+    never be answered, and fail_after says so)."""
+    release = trio.Event()
 
-    async def slow(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
-        await trio.sleep(0.5)
+    async def held(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        await release.wait()
         return await keepalive_ok(stream, http, request)
 
     member = await FakeMember(keepalive_ok).start(nursery)
     client = EtcdClient([member.url], max_concurrent=2, deadline=5)
     assert await client.lease_keepalive(1) == 5  # opens a connection beside the window's
-    member.behave = slow
+    member.behave = held
+    done: list[int] = []
+
+    async def put(i: int) -> None:
+        await client.put(b"k", b"%d" % i)
+        done.append(i)
+
     async with trio.open_nursery() as calls:
         for i in range(6):
-            calls.start_soon(client.put, b"k", b"%d" % i)
+            calls.start_soon(put, i)
         # The window is full (two puts at the member, after the first keepalive),
         # and four more wait.
         await eventually(lambda: member.requests == 3, timeout=5, what="the window full")
         member.behave = keepalive_ok
-        start = trio.current_time()
-        assert await client.lease_keepalive(1) == 5
-        took = trio.current_time() - start
-        member.behave = slow
-    assert took < 0.3, took
+        with trio.fail_after(4):  # below the client's deadline: a queued one would fail
+            assert await client.lease_keepalive(1) == 5
+        assert done == [] and member.requests == 4  # every put still held or waiting
+        member.behave = held
+        release.set()
+    assert sorted(done) == list(range(6))
     await client.aclose()
 
 
@@ -340,27 +338,30 @@ async def five_at_once_against_silence(
 
 
 async def test_when_etcd_is_down_a_backlog_fails_at_once_not_a_deadline_each(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock
 ) -> None:
     """The member takes requests and never answers. The first call fails at its
     deadline; the four queued behind it were waiting while it did, so they fail at
-    once too: a backlog drains in one deadline, not one deadline per call."""
+    once too: a backlog drains in one deadline, not one deadline per call. On a
+    MockClock, so ``took`` is exactly one deadline (0.5) whatever the machine's load,
+    against 2.5 if each call waited a deadline of its own."""
     member = await FakeMember(silent).start(nursery)
     client = EtcdClient([member.url], max_concurrent=1, deadline=0.5, attempt_timeout=0.2)
     failed, took = await five_at_once_against_silence(lambda i: client.put(b"k", b"%d" % i))
     assert len(failed) == 5
-    assert took < 0.9
+    assert took < 0.9, took
     assert sum("while this one waited" in message for message in failed) == 4, failed
     await client.aclose()
 
 
 async def test_when_etcd_is_down_txns_queued_for_a_batch_fail_at_once_too(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock
 ) -> None:
     """The same for txns that wait in the batcher rather than for the window: five
     txns that each write the key the others compare, so each needs a batch of its
     own, and one batch in flight (a quarter of a window of 4). The first fails at
-    its deadline; the four queued behind it fail at once, not a deadline each."""
+    its deadline; the four queued behind it fail at once, not a deadline each (on a
+    MockClock, like the test above)."""
     member = await FakeMember(silent).start(nursery)
     client = EtcdClient([member.url], max_concurrent=4, deadline=0.5, attempt_timeout=0.2)
     nursery.start_soon(client.run_batches)
@@ -369,7 +370,7 @@ async def test_when_etcd_is_down_txns_queued_for_a_batch_fail_at_once_too(
         lambda i: client.txn([compare_create(b"k", "==", 0)], [put_op(b"k", b"%d" % i)])
     )
     assert len(failed) == 5
-    assert took < 0.9
+    assert took < 0.9, took
     assert sum("while this one waited" in message for message in failed) == 4, failed
     await client.aclose()
 
@@ -666,6 +667,7 @@ async def test_txns_sent_together_are_batched_and_each_answered_as_alone(
         await client.aclose()
 
 
+@pytest.mark.serial  # a wall-clock bound on real etcd: run alone
 async def test_error_reply_raises_at_once(client: EtcdClient, prefix: bytes) -> None:
     start = trio.current_time()
     with pytest.raises(EtcdError) as error:

@@ -23,7 +23,8 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -322,3 +323,16 @@ class EtcdCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"etcd cluster not ready after {timeout}s\n{self.log_tails()}")
             time.sleep(0.05)
+
+
+@contextmanager
+def running_cluster(base: Path, size: int = 3) -> Iterator[EtcdCluster]:
+    """The one way the suite gets an etcd cluster on loopback: started under ``base``
+    (no etcd installed raises: a broken setup fails, never skips), every member
+    killed by pid on the way out."""
+    cluster = EtcdCluster(base, size)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
