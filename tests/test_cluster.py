@@ -1,4 +1,4 @@
-"""Several elockd nodes over one real 3-member etcd cluster (ETCD.md section 7).
+"""Several elockd nodes over one real 3-member etcd cluster (docs/cluster.md, "Tests").
 
 Real time here: etcd and the nodes are separate processes, so MockClock cannot
 reach them. Every wait is bounded, and the bounds are generous multiples of what
@@ -545,7 +545,8 @@ async def test_conn_id_takes_over_a_session_of_a_dead_node(nodes: Nodes, etcd: E
     assert trio.current_time() - killed < 5.5
     with trio.fail_after(5):
         assert await heir.request(b"conn_id") == b"200 " + session_id
-        # A token is the same for the life of the hold (PROTOCOL.md), moved or not.
+        # A token is the same for the life of the hold (docs/word-family.md,
+        # "Fencing tokens"), moved or not.
         assert await token_of(heir, b"K") == token
         assert await token_of(heir, b"J") == j_token
         assert (await info_of(other, b"K"))[b"token"] == b"%d" % token
@@ -784,9 +785,10 @@ async def test_many_holds_are_freed_and_taken_over_whole(nodes: Nodes) -> None:
 
 
 async def test_repeats_renew_of_shared_and_quit_follow_protocol(nodes: Nodes) -> None:
-    """PROTOCOL.md rules the cluster verbs reimplement: a holder asking again gets
-    no second hold (a ttl then sets its lease), `renew` works on a shared hold, and
-    `quit` ends the session by the grace rule (0: freed at once, everywhere)."""
+    """Rules of docs/word-family.md that the cluster verbs reimplement: a holder
+    asking again gets no second hold (a ttl then sets its lease), `renew` works on a
+    shared hold, and `quit` ends the session by the grace rule (0: freed at once,
+    everywhere)."""
     a, b = nodes.start(), nodes.start()
     holder, other = await a.connect(), await b.connect()
     with trio.fail_after(5):
@@ -817,10 +819,11 @@ async def test_repeats_renew_of_shared_and_quit_follow_protocol(nodes: Nodes) ->
 async def test_a_session_living_on_its_lease_is_taken_over_on_another_live_node(
     nodes: Nodes,
 ) -> None:
-    """PROTOCOL.md: a session whose connection ended lives on while it still owns a
-    lease, and meanwhile ``conn_id ID`` can take it over. In a cluster, also from
-    another node while its own runs: the hold, its token and its lease timer move
-    there, and the old node's keeper rounds (every TTL/3) free nothing of it."""
+    """docs/word-family.md, "Sessions and takeover": a session whose connection
+    ended lives on while it still owns a lease, and meanwhile ``conn_id ID`` can
+    take it over. In a cluster, also from another node while its own runs: the
+    hold, its token and its lease timer move there, and the old node's keeper rounds
+    (every TTL/3) free nothing of it."""
     a, b = nodes.start(), nodes.start()
     holder, probe, heir = await a.connect(), await a.connect(), await b.connect()
     with trio.fail_after(5):

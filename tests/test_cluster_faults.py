@@ -1,5 +1,5 @@
 """Faults of a cluster: dead, paused and cut-off elockd nodes and etcd members
-(ETCD.md section 7, scenarios 9 to 14).
+(docs/cluster.md, "Tests"; docs/operations-faults.md).
 
 Real processes and real time: every wait is bounded with ``trio.fail_after``. A
 test that kills or pauses etcd members leaves the repair to the ``nodes`` fixture,

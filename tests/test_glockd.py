@@ -157,7 +157,7 @@ async def test_who_lists_in_naming_order_on_both_styles(
 async def test_requests_that_get_no_reply_are_still_counted(
     lock_server: RunningServer, clock: object
 ) -> None:
-    """PROTOCOL.md: a request glockd answers with nothing still counts, in
+    """docs/glockd.md: a request glockd answers with nothing still counts, in
     ``invalid_commands`` or its ``command_*``; ``command_who`` appears once used."""
     client = await lock_server.connect()
     for request in (b"xx", b"", b"G job", b"nope k v", b"d nothing", b"sd nothing", b"who x"):

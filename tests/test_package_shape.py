@@ -372,7 +372,7 @@ VIOLATIONS: dict[str, tuple[str, Import]] = {
         Import("elockd.backend.cluster.ledger", 1, False, False),
     ),
     "daemon": ("elockd.net.http", Import("elockd.daemon.config", 1, True, False)),
-    "ctl": ("elockd.ctl.upgrade", Import("elockd.daemon.notify", 1, False, False)),
+    "ctl": ("elockd.ctl.upgrade", Import("elockd.daemon.config", 1, False, False)),
     "client": ("elockd.client.blocking", Import("elockd.engine.locks", 1, False, False)),
     # engine/locks.py imports engine/sessions.py (at module level): the way back closes it.
     "runtime_circles": ("elockd.engine.sessions", Import("elockd.engine.locks", 1, False, False)),

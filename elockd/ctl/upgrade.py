@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from elockd.ctl.status import EXIT_ERROR, EXIT_USAGE, say
-from elockd.daemon.notify import send_notification
+from elockd.systemd import send_notification
 
 
 def elockd_command() -> list[str]:

@@ -502,10 +502,6 @@ def setting_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Actio
     return {action.dest: action for action in parser._actions if action.dest in names}
 
 
-def flag_of(action: argparse.Action) -> str:
-    return action.option_strings[0]
-
-
 # ------------------------------------------------------------ the three sources
 
 

@@ -33,7 +33,6 @@ from elockd.backend.interface import Backend
 from elockd.backend.memory import MemoryBackend
 from elockd.daemon.config import Config
 from elockd.daemon.logs import log_refusal, log_session_end, log_start, log_tls_failure
-from elockd.daemon.notify import sd_notify
 from elockd.daemon.startup import (
     LOCK_PORT_HINT,
     METRICS_PORT_HINT,
@@ -53,6 +52,7 @@ from elockd.net.transport import Closer, SocketTransport, StreamTransport
 from elockd.net.unix_socket import OwnedPath, UnixPeers, open_unix_socket
 from elockd.protocol.commands import COMMANDS
 from elockd.protocol.connection import Service
+from elockd.systemd import sd_notify
 
 log = logging.getLogger("elockd")
 

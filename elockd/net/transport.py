@@ -2,7 +2,7 @@
 
 Why a raw path: trio's ``SocketStream`` costs about twice the per-request CPU of
 waiting for readability and calling ``recv``/``send`` on the plain socket directly
-(measured in DESIGN.md: ~40k vs ~75k requests/s), and at one request in flight per
+(a minimal handler: ~40k vs ~75k requests/s, docs/performance.md), and at one request in flight per
 connection that overhead decides whether we beat glockd. So TCP and Unix-socket
 connections use :class:`SocketTransport`; TLS (and tests with memory streams) use
 :class:`StreamTransport` over any ``trio.abc.Stream``. Both offer the same three

@@ -4,6 +4,10 @@ No library: the protocol is a single ``sendto``. ``READY=1`` when the server
 listens; after a hand-over the successor also sends ``MAINPID=`` so that systemd
 follows it as the unit's main process (the unit needs ``NotifyAccess=all``, since
 the successor is not the process systemd started).
+
+It lives beside the layers, not in ``daemon/``: the server (daemon/server.py) sends
+``READY=1`` and elockctl's ``upgrade`` (ctl/upgrade.py) relays a successor's
+``MAINPID=``, and ``ctl/`` may not import ``daemon/``. Standard library only.
 """
 
 from __future__ import annotations
