@@ -287,7 +287,7 @@ class LockEngine(Bookkeeping):
         """Try once. A holder asking again keeps its one hold (``ttl`` sets its lease)."""
         hold = self.exclusive.get(key)
         if hold is None:
-            # The check of _check_hold_room, inlined: this is the hottest call of all.
+            # The check of check_hold_room, inlined: this is the hottest call of all.
             if len(session.exclusive) + len(session.shared) >= self.max_holds:
                 raise TooManyHolds
             self._grant_exclusive(session, key, now, ttl)

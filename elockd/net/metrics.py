@@ -8,9 +8,11 @@ Why it looks like this:
 * Every value the collector reads is an int kept up to date on the existing paths
   (``len()`` of a table, engine counters, :class:`~elockd.protocol.stats.Buckets`): a scrape
   costs the same with a million locks held as with none. No per-lock work, ever.
-* HTTP is hypercorn's trio worker serving prometheus-client's ASGI app, in the same
-  trio run as the lock tables: no thread ever touches them, and no HTTP parser is
-  written here.
+* HTTP is hypercorn's trio worker serving a small ASGI app of our own
+  (:func:`make_app`: the exposition prometheus-client renders, cached; /healthz),
+  in the same trio run as the lock tables: no thread ever touches them, and no HTTP
+  parser is written here. A connection whose first request asks for a WebSocket
+  goes to :mod:`elockd.net.websocket` instead (a lock session over wsproto).
 * The collector lives on its own :class:`~prometheus_client.CollectorRegistry`,
   never the process-global one, so tests can run many servers in one process.
 

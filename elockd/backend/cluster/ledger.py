@@ -1,11 +1,12 @@
 """A cluster node's own books: its sessions, their holds, their deadlines, its counters.
 
-Pure: no I/O and no etcd. etcd decides who holds what; these books are what this
-node has promised its own clients on etcd's word, kept apart from the etcd
-conversations of :mod:`.ownership`, :mod:`.recipe` and :mod:`.node` because all
-three read and change them. They are what ``q`` and /metrics read, what the
-``on_*`` hooks report from, and the part that is closest to the in-memory engine's
-own bookkeeping (:mod:`elockd.engine.locks`).
+No I/O and no etcd (a session's ``record_lock``, a ``trio.Lock``, is only held by
+:mod:`.ownership` around its writes of the session's record). etcd decides who
+holds what; these books are what this node has promised its own clients on etcd's
+word, kept apart from the etcd conversations of :mod:`.ownership`, :mod:`.recipe`
+and :mod:`.node` because all three read and change them. They are what ``q`` and
+/metrics read, what the ``on_*`` hooks report from, and the part that is closest
+to the in-memory engine's own bookkeeping (:mod:`elockd.engine.locks`).
 
 A hold's fencing token comes from its entry's create revision, the entry's rank
 (a number the node gives each new entry), and the cluster's token floor

@@ -16,8 +16,8 @@ Under all three lie this node's books (:mod:`.ledger`: sessions, holds, deadline
 counters; pure), the one way they call etcd (:mod:`.calls`: a failed call fails
 closed with :class:`~elockd.backend.interface.BackendUnavailable` and is counted), the keys
 and values (:mod:`.layout`) and the mirror of the queues with the grant rule
-(:mod:`.mirror`). A part reaches another only through the methods named here, so
-each can change (batched transactions, say) without the others.
+(:mod:`.mirror`). The parts share these: :mod:`.recipe` and :mod:`.node` take
+ownership's calls, ledger and layout (and its etcd client) when they are built.
 """
 
 from __future__ import annotations
