@@ -46,7 +46,7 @@ from elockd.handover.exchange import Giver, Listeners, TakenOver, open_control_s
 from elockd.net import accepting
 from elockd.net.accepting import accept_pause
 from elockd.net.metrics import serve_metrics
-from elockd.net.serving import ConnectionSlots, peer_name, serve_connection
+from elockd.net.serving import ConnectionSlots, host_port, peer_name, serve_connection
 from elockd.net.tcp_silence import keepalive_bound, keepalive_settings, set_user_timeout
 from elockd.net.transport import Closer, SocketTransport, StreamTransport
 from elockd.net.unix_socket import OwnedPath, UnixPeers, open_unix_socket
@@ -587,10 +587,8 @@ async def serve(
 
 
 def describe(address: tuple[str, int] | str) -> str:
-    if isinstance(address, str):
-        return f"unix:{address}"
-    host, port = address[0], address[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    """A listening address for the log: ``HOST:PORT`` (:func:`host_port`) or ``unix:PATH``."""
+    return f"unix:{address}" if isinstance(address, str) else host_port(address[0], address[1])
 
 
 #: CPython's default (700, 10, 10) promotes a steady trickle of short-lived holds into

@@ -32,11 +32,16 @@ from elockd.protocol.framing import LineReader
 REPLY_FLUSH_BYTES = 65536
 
 
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 host in brackets (``[::1]:9999``): how peers and
+    listening addresses are named, in replies and in the log."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def peer_name(address: object) -> bytes:
     """``IP:PORT`` for TCP peers (``[IP]:PORT`` for IPv6); ``unix`` otherwise."""
     if isinstance(address, tuple) and len(address) >= 2:
-        host, port = address[0], address[1]
-        return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
+        return host_port(address[0], address[1]).encode()
     return b"unix"
 
 
