@@ -3,10 +3,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from elockd.client.core import Hold
+
+class LostHold(Protocol):
+    """What a :class:`LockLost` tells of the hold it is about (a
+    :class:`~elockd.client.core.Hold`, described here rather than imported: the
+    hold raises this error, so the two modules would otherwise name each other)."""
+
+    keys: tuple[bytes, ...]
+    shared: bool
+    tokens: dict[bytes, int]
+    lost_reason: str | None
+    lost_at: float | None
 
 
 class ElockError(Exception):
@@ -76,6 +85,6 @@ class LockLost(ElockError):
     or the connection dropped. Whatever the hold protected may have run concurrently
     with another holder since ``hold.lost_at``."""
 
-    def __init__(self, message: str, hold: Hold | None = None) -> None:
+    def __init__(self, message: str, hold: LostHold | None = None) -> None:
         super().__init__(message)
         self.hold = hold
