@@ -42,7 +42,14 @@ from elockd.daemon.startup import (
     shown,
 )
 from elockd.daemon.tracing import trace_requests
-from elockd.handover.exchange import Giver, Listeners, TakenOver, open_control_socket, take_over
+from elockd.handover.exchange import (
+    Giver,
+    Listeners,
+    TakenOver,
+    TakeOverError,
+    open_control_socket,
+    take_over,
+)
 from elockd.net import accepting
 from elockd.net.accepting import accept_pause
 from elockd.net.metrics import serve_metrics
@@ -481,7 +488,10 @@ async def serve(
     closer = Closer()
     taken: TakenOver | None = None
     if config.take_over:
-        taken = await take_over(config.take_over, service, closer)
+        try:
+            taken = await take_over(config.take_over, service, closer)
+        except TakeOverError as error:
+            raise StartupError(str(error)) from None
         listeners = taken.listeners
     else:
         listeners = open_listeners(config, tls)

@@ -36,7 +36,6 @@ from typing import Any
 import trio
 
 from elockd.backend.memory import MemoryBackend
-from elockd.daemon.startup import StartupError
 from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
 from elockd.handover.pause import Parked
 from elockd.handover.records import (
@@ -60,6 +59,11 @@ log = logging.getLogger("elockd")
 HELLO_TIMEOUT = 5.0
 #: How long the old process waits for ``done`` after ``go`` before it exits anyway.
 DONE_TIMEOUT = 2.0
+
+
+class TakeOverError(Exception):
+    """A hand-over that could not start, phrased ``--take-over PATH: cause``: the
+    daemon reports it as a start-up error (one line, exit 2)."""
 
 
 class HandOverFailed(Exception):
@@ -288,13 +292,13 @@ class TakenOver:
 async def take_over(path: str, service: Service, closer: Closer) -> TakenOver:
     """Connect to the old process at ``path`` and take everything it has; the
     caller serves it, then calls :meth:`TakenOver.finish`. A
-    :class:`~elockd.daemon.startup.StartupError` names what went wrong."""
+    :class:`TakeOverError` names what went wrong."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
     except OSError as error:
         sock.close()
-        raise StartupError(
+        raise TakeOverError(
             f"--take-over {path}: {error.strerror.lower() if error.strerror else error}"
         ) from None
     channel = Channel(sock)
@@ -312,18 +316,18 @@ async def _receive_everything(
     try:
         header, fds = await channel.receive()
         if header.get("t") == "refused":
-            raise StartupError(f"--take-over {path}: refused: {header.get('why')}")
+            raise TakeOverError(f"--take-over {path}: refused: {header.get('why')}")
         if header.get("t") == "aborted":
-            raise StartupError(f"--take-over {path}: the old process aborted: {header.get('why')}")
+            raise TakeOverError(f"--take-over {path}: the old process aborted: {header.get('why')}")
         if header.get("t") != "header" or header.get("format") != FORMAT:
-            raise StartupError(f"--take-over {path}: not an elockd control socket")
+            raise TakeOverError(f"--take-over {path}: not an elockd control socket")
         if header.get("version") not in READABLE:
             for fd in fds:
                 os.close(fd)
             await _try_send(
                 channel, {"t": "refused", "why": f"unknown version {header.get('version')}"}
             )
-            raise StartupError(
+            raise TakeOverError(
                 f"--take-over {path}: state version {header.get('version')} is unknown "
                 f"(this elockd reads versions {', '.join(map(str, READABLE))}); "
                 "the old process serves on"
@@ -344,7 +348,7 @@ async def _receive_everything(
         while not restorer.ended:
             record, fds = await channel.receive()
             if record.get("t") == "aborted":
-                raise StartupError(
+                raise TakeOverError(
                     f"--take-over {path}: the old process aborted: {record.get('why')}"
                 )
             if record.get("t") == "connections":
@@ -360,14 +364,14 @@ async def _receive_everything(
         connections = restorer.connections(dict(transports))
     except (ChannelError, StateError, KeyError, TypeError, ValueError) as error:
         await _try_send(channel, {"t": "refused", "why": str(error)})
-        raise StartupError(f"--take-over {path}: {error}") from None
+        raise TakeOverError(f"--take-over {path}: {error}") from None
     await channel.send({"t": "ready"})
     try:
         decision, _ = await channel.receive()
     except ChannelError:
         decision = {"t": "go"}  # the old process is gone after ready: it never serves again
     if decision.get("t") != "go":
-        raise StartupError(f"--take-over {path}: the old process aborted: {decision.get('why')}")
+        raise TakeOverError(f"--take-over {path}: the old process aborted: {decision.get('why')}")
     sessions, holds = restorer.counts()
     return TakenOver(
         listeners,
