@@ -18,7 +18,8 @@ import h11
 import pytest
 import trio
 
-from elockd.backend.cluster import etcd_client, etcd_transport
+from elockd.backend.cluster.etcd import client as etcd_client
+from elockd.backend.cluster.etcd import transport as etcd_transport
 from elockd.backend.cluster.etcd.client import (
     EtcdClient,
     EtcdError,
