@@ -133,8 +133,9 @@ class ClusterLockSpace:
         self.ledger = ledger = Ledger(max_holds, max_waiters)
         self.calls = calls = EtcdCalls(client)
         self.mirror = mirror = QueueMirror(layout)
-        # Each part is given the parts it uses, those it tells first: losing a
-        # session needs nothing of etcd, and the lease and the records tell it.
+        # Each part is given the parts it uses. SessionLoss comes first: it needs
+        # nothing of etcd, and the lease and the records tell it of a session lost
+        # with the lease or moved to another node.
         self.loss = loss = SessionLoss(calls, ledger, session_ttl)
         self.lease = lease = NodeLease(calls, session_ttl, loss.lose_all)
         self.records = records = SessionRecords(calls, ledger, layout, lease, node_id, loss.moved)
