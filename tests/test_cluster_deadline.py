@@ -17,9 +17,9 @@ import trio.testing
 
 from elockd.backend.cluster.etcd.client import EtcdClient, Event, KeyValue
 from elockd.backend.cluster.layout import EXCLUSIVE, Layout, entry_value
+from elockd.backend.cluster.lease import CLOCK_RATE_ERROR, LEASE_MARGIN, lease_deadline
 from elockd.backend.cluster.ledger import ClusterSession
 from elockd.backend.cluster.mirror import GRANTED, WAITING, ClusterWaiter, QueueMirror
-from elockd.backend.cluster.ownership import CLOCK_RATE_ERROR, LEASE_MARGIN, lease_deadline
 from elockd.backend.cluster.space import ClusterLockSpace
 from elockd.backend.interface import BackendUnavailable
 
@@ -55,7 +55,7 @@ def test_the_deadline_runs_ahead_of_the_earliest_expiry_etcd_can_make() -> None:
 
 def holding_session(space: ClusterLockSpace, key: bytes) -> tuple[ClusterSession, list[str]]:
     """A session of the node that holds ``key`` under the node's lease."""
-    session = space.ownership.open_session("s" * 32, b"peer")
+    session = space.ledger.open_session("s" * 32, b"peer")
     session.tag = 42
     space.ledger.by_tag[42] = session
     space.ledger.record_hold(session, EXCLUSIVE, key, 10, trio.current_time(), 0)
@@ -72,27 +72,27 @@ async def test_sessions_are_lost_the_instant_the_lease_passes_its_deadline(
     "not held", the connection is closed, and no grant is confirmed."""
     client = EtcdClient(["http://127.0.0.1:9"])
     space = ClusterLockSpace(client, b"/t/", session_ttl=5)
-    ownership = space.ownership
+    lease = space.lease
     session, closed = holding_session(space, b"k")
     start = trio.current_time()
-    ownership.renewed(7, start, 5)
+    lease.renewed(7, start, 5)
     deadline = lease_deadline(start, 5)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(ownership.enforce_deadline)
+        nursery.start_soon(lease.enforce_deadline)
         await trio.sleep_until(deadline - 0.001)
         assert space.token(session, b"k") is not None and not session.lost
         # A keepalive answered meanwhile moves the deadline on.
-        ownership.renewed(7, deadline - 1.0, 5)
+        lease.renewed(7, deadline - 1.0, 5)
         moved = lease_deadline(deadline - 1.0, 5)
         await trio.sleep_until(moved - 0.001)
         assert not session.lost and closed == []
         await trio.sleep_until(moved)
         await trio.testing.wait_all_tasks_blocked()
         assert session.lost and closed == ["closed"]
-        assert ownership.lease == 0 and ownership.lease_deadline == math.inf
+        assert lease.id == 0 and lease.deadline == math.inf
         assert space.token(session, b"k") is None
         with pytest.raises(BackendUnavailable):
-            ownership.confirm(session)
+            lease.confirm(session)
         nursery.cancel_scope.cancel()
     await client.aclose()
 
@@ -103,7 +103,7 @@ async def test_token_checks_the_deadline_itself(mock_clock: trio.testing.MockClo
     client = EtcdClient(["http://127.0.0.1:9"])
     space = ClusterLockSpace(client, b"/t/", session_ttl=5)
     session, _ = holding_session(space, b"k")
-    space.ownership.renewed(7, trio.current_time(), 5)
+    space.lease.renewed(7, trio.current_time(), 5)
     assert space.token(session, b"k") is not None
     await trio.sleep(lease_deadline(0, 5))
     assert space.token(session, b"k") is None and session.lost

@@ -29,7 +29,7 @@ from elockd.backend.cluster.etcd.client import (
     range_op,
     txn_op,
 )
-from elockd.backend.cluster.recipe import LockRecipe
+from elockd.backend.cluster.tokens import TOKENS_PER_REVISION, RankCounter
 
 
 def txn(
@@ -169,11 +169,13 @@ def queued(body: dict[str, Any]) -> Queued:
 
 
 def batcher(etcd: FakeEtcd, in_flight: int = 1) -> TxnBatcher:
+    """A batcher told the lock layer's rank rule, as a cluster node runs one."""
     return TxnBatcher(
         etcd.send,
         alone_on=(EtcdError,),
         unanswered=lambda: EtcdUnavailable("cut off"),
         in_flight=in_flight,
+        max_ranks=TOKENS_PER_REVISION,
     )
 
 
@@ -362,12 +364,12 @@ def test_a_request_takes_consecutive_ranks_and_skips_rather_than_wraps() -> None
     """An mlock's keys get consecutive ranks (so consecutive tokens) in byte order;
     near the end of the round it starts from 0, and the ranks skipped count as taken
     (a batch's 64 ranks in a row include them)."""
-    recipe = LockRecipe.__new__(LockRecipe)  # only its rank counter is used
-    recipe._next_rank = 62
-    assert recipe._ranks([b"x"]) == ({b"x": 62}, 1)
-    assert recipe._ranks([b"b", b"a", b"c"]) == ({b"a": 0, b"b": 1, b"c": 2}, 1 + 3)
-    assert recipe._ranks([b"y"]) == ({b"y": 3}, 1)
-    recipe._next_rank = 0
+    counter = RankCounter()
+    counter.next = 62
+    assert counter.take([b"x"]) == ({b"x": 62}, 1)
+    assert counter.take([b"b", b"a", b"c"]) == ({b"a": 0, b"b": 1, b"c": 2}, 1 + 3)
+    assert counter.take([b"y"]) == ({b"y": 3}, 1)
+    counter.next = 0
     everything = [b"k%02d" % i for i in range(64)]
-    assert recipe._ranks(everything) == ({key: i for i, key in enumerate(everything)}, 64)
-    assert recipe._next_rank == 0
+    assert counter.take(everything) == ({key: i for i, key in enumerate(everything)}, 64)
+    assert counter.next == 0

@@ -63,7 +63,7 @@ def dump_cluster(
         "t": "node",
         "node_id": space.node_id,
         "heartbeat_lease": space.node.heartbeat_lease,
-        "sessions_lease": space.ownership.lease,
+        "sessions_lease": space.lease.id,
         "prefix": text(space.layout.root),
         "session_ttl": space.session_ttl,
         "backend_unavailable": space.calls.backend_unavailable,

@@ -1,26 +1,41 @@
 """How a cluster node's work reaches etcd, and what it makes of etcd not answering.
 
-Every call a request makes goes through :meth:`EtcdCalls.etcd`: etcd without quorum,
-or an error reply, becomes :class:`~elockd.backend.interface.BackendUnavailable` (the request
-fails closed; the node stays up) and is counted and logged once, here. Work that
+The node's :class:`~elockd.backend.cluster.etcd.client.EtcdClient` is held here and
+nowhere else: the parts (:mod:`.lease`, :mod:`.records`, :mod:`.ends`,
+:mod:`.takeover`, :mod:`.recipe`, :mod:`.node`) are each given an :class:`EtcdCalls`
+at construction, whose calls (``txn``, ``get``, ``put``, ``lease_*``, ``watch``) are
+the only way they have to etcd. So one policy covers every call by construction:
+a call a request makes fails closed with
+:class:`~elockd.backend.interface.BackendUnavailable` when etcd has no quorum or
+answers with an error, and is counted and logged once, here. The node's own loops
+and start-up steps, which each have a policy of their own for etcd not answering
+(start-up retries until it answers, the keeper counts a failed round and comes
+back sooner, the watch reloads), make the same calls through
+:attr:`EtcdCalls.unmapped`, which raises etcd's own errors as they are. Work that
 no request waits for (frees after a disconnect, lease ends) goes through
-:meth:`EtcdCalls.spawn`, into the nursery the node runs. Kept apart from the three
-parts that call etcd (:mod:`.ownership`, :mod:`.recipe`, :mod:`.node`) so that
-every one of them fails the same way, and so that a policy over all calls (how
-many may be in flight, which failures mean etcd is down) has one place to live.
+:meth:`EtcdCalls.spawn`, into the nursery the node runs. A policy over all calls
+(how many may be in flight, which failures mean etcd is down) has one place to live.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
-from elockd.backend.cluster.etcd.client import EtcdClient, EtcdError, EtcdUnavailable
+from elockd.backend.cluster.etcd.client import (
+    EtcdClient,
+    EtcdError,
+    EtcdUnavailable,
+    KeyValue,
+    TxnResult,
+    Watch,
+)
+from elockd.backend.cluster.tokens import TOKENS_PER_REVISION
 from elockd.backend.interface import BackendUnavailable
 from elockd.daemon.logthrottle import LogThrottle
 
@@ -37,16 +52,75 @@ T = TypeVar("T")
 _working_scope: ContextVar[trio.CancelScope | None] = ContextVar("working_scope", default=None)
 
 
-class EtcdCalls:
-    """The node's etcd client, the "backend unavailable" count, and the nursery
-    (set while the node runs) that background jobs start in."""
+class Calls:
+    """The etcd calls a part of the node may make. Each goes through
+    :meth:`_answer`, which says what a failure becomes: here, etcd's own error
+    (:class:`~elockd.backend.cluster.etcd.client.EtcdUnavailable`,
+    :class:`~elockd.backend.cluster.etcd.client.EtcdError`), for a caller with a
+    policy of its own (see :attr:`EtcdCalls.unmapped`)."""
 
     def __init__(self, client: EtcdClient) -> None:
-        self.client = client
+        self._client = client
+
+    @property
+    def deadline(self) -> float:
+        """Seconds a call may take before etcd counts as not answering
+        (``--etcd-timeout``): also how long a request waits for what etcd must do
+        first (a new lease, the watch catching up)."""
+        return self._client.deadline
+
+    async def _answer(self, call: Awaitable[T]) -> T:
+        return await call
+
+    async def txn(
+        self,
+        compare: Sequence[dict[str, Any]],
+        success: Sequence[dict[str, Any]],
+        failure: Sequence[dict[str, Any]] = (),
+        *,
+        ranks: int = 0,
+    ) -> TxnResult:
+        return await self._answer(self._client.txn(compare, success, failure, ranks=ranks))
+
+    async def get(
+        self, key: bytes, range_end: bytes | None = None, *, sort_by_create: bool = False
+    ) -> tuple[int, list[KeyValue], int]:
+        return await self._answer(self._client.get(key, range_end, sort_by_create=sort_by_create))
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0, *, urgent: bool = False) -> int:
+        return await self._answer(self._client.put(key, value, lease, urgent=urgent))
+
+    async def lease_grant(self, ttl: int) -> tuple[int, int]:
+        return await self._answer(self._client.lease_grant(ttl))
+
+    async def lease_keepalive(self, lease: int) -> int:
+        return await self._answer(self._client.lease_keepalive(lease))
+
+    def watch(
+        self, key: bytes, range_end: bytes, start_revision: int, *, silence: float | None = None
+    ) -> Watch:
+        """A watch stream: it reconnects on its own and never fails but with
+        :class:`~elockd.backend.cluster.etcd.client.WatchCompacted`, its caller's."""
+        return self._client.watch(key, range_end, start_revision, silence=silence)
+
+
+class EtcdCalls(Calls):
+    """The node's etcd calls for requests (failures become BackendUnavailable, see
+    :meth:`_answer`), the same calls for the node's own loops
+    (:attr:`unmapped`), the "backend unavailable" count, and the nursery (set while
+    the node runs) that background jobs start in."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        super().__init__(client)
+        #: The same calls, raising etcd's own errors: for the node's start-up steps
+        #: (:meth:`until_answered` retries them) and its loops (the heartbeat, the
+        #: keeper, the watch's reload), each of which counts or retries a failure
+        #: by its own rule.
+        self.unmapped = Calls(client)
         self.nursery: trio.Nursery | None = None
         self.backend_unavailable = 0
         #: Called when etcd answers "lease not found" for a session's call: the
-        #: node's lease expired before the node noticed (see :mod:`.ownership`).
+        #: node's lease expired before the node noticed (see :mod:`.lease`).
         self.on_lease_gone: Callable[[str], None] | None = None
         #: Set when the node's keeper (see :mod:`.node`) should not wait for its
         #: next period: the node's lease is gone, or etcd did not answer or refused
@@ -142,11 +216,12 @@ class EtcdCalls:
         self.keeper_wanted.set()
         unavailable_log("backend unavailable: etcd did not answer (%s)", what)
 
-    async def etcd(self, call: Awaitable[T]) -> T:
+    async def _answer(self, call: Awaitable[T]) -> T:
         """Await an etcd call: etcd without quorum, or an error reply, becomes
         BackendUnavailable (the request fails closed; the node stays up). "lease not
         found" means the node's lease expired before the node noticed: every write
-        that goes through here hangs on it."""
+        that goes through here hangs on it (the heartbeat's, on a lease of its own,
+        goes through :attr:`unmapped`)."""
         try:
             return await call
         except EtcdUnavailable as error:
@@ -161,7 +236,9 @@ class EtcdCalls:
             raise BackendUnavailable(error.message) from error
 
     async def until_answered(self, step: Callable[[], Awaitable[T]]) -> T:
-        """Retry a start-up step until etcd answers (a node may start before quorum)."""
+        """Retry a start-up step until etcd answers (a node may start before quorum).
+        The step makes its calls through :attr:`unmapped`, so that etcd not
+        answering reaches here as such."""
         while True:
             try:
                 return await step()
@@ -195,4 +272,10 @@ class EtcdCalls:
     async def revoke_quietly(self, lease: int) -> None:
         """Revoke a lease on the way out; if etcd does not answer, its TTL ends it."""
         with contextlib.suppress(EtcdUnavailable, EtcdError):
-            await self.client.lease_revoke(lease)
+            await self._client.lease_revoke(lease)
+
+    async def run_batches(self) -> None:
+        """Send the node's txns in batches (group commit) until cancelled, each
+        batch taking at most the ranks that keep fencing tokens apart
+        (:mod:`.tokens`)."""
+        await self._client.run_batches(max_ranks=TOKENS_PER_REVISION)

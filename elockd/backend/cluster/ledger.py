@@ -1,18 +1,16 @@
 """A cluster node's own books: its sessions, their holds, their deadlines, its counters.
 
-No I/O and no etcd (a session's ``record_lock``, a ``trio.Lock``, is only held by
-:mod:`.ownership` around its writes of the session's record). etcd decides who
-holds what; these books are what this node has promised its own clients on etcd's
-word, kept apart from the etcd conversations of :mod:`.ownership`, :mod:`.recipe`
-and :mod:`.node` because all three read and change them. They are what ``q`` and
-/metrics read, what the ``on_*`` hooks report from, and the part that is closest
-to the in-memory engine's own bookkeeping (:mod:`elockd.engine.locks`).
+No I/O and no etcd (a session's record lock, a ``trio.Lock`` held only around the
+writes of its record, is the one trio object here). etcd decides who holds what;
+these books are what this node has promised its own
+clients on etcd's word, kept apart from the etcd conversations of the parts
+(:mod:`.records`, :mod:`.ends`, :mod:`.takeover`, :mod:`.recipe`, :mod:`.node`)
+because all of them read and change them. They are what ``q`` and /metrics read,
+what the ``on_*`` hooks report from, and the part that is closest to the in-memory
+engine's own bookkeeping (:mod:`elockd.engine.locks`).
 
-A hold's fencing token comes from its entry's create revision, the entry's rank
-(a number the node gives each new entry), and the cluster's token floor
-(``<prefix>meta/token_floor``, which :mod:`.node` loads at join): tokens then
-increase across keys, nodes and rebuilt clusters, and the keys of one ``mlock``, or
-the requests of one batch, get tokens of their own (:func:`fencing_token`).
+A hold's fencing token is worked out by the rule in :mod:`.tokens`, from its
+entry's create revision and rank and the cluster's token floor kept here.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from dataclasses import dataclass
 import trio
 
 from elockd.backend.cluster.layout import SHARED
+from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import Bookkeeping, Grant
 from elockd.engine.sessions import Hold, Session
 
@@ -99,19 +98,6 @@ class ClusterAnswer:
         return self.grant
 
 
-#: Fencing tokens: the entry's create revision times this, plus the entry's rank (the
-#: node numbers its new entries round modulo this, and one etcd txn, a batch of
-#: requests included, takes at most this many in a row: see .recipe), plus the
-#: floor: every exclusive grant gets a token of its own.
-TOKENS_PER_REVISION = 64
-
-
-def fencing_token(floor: int, revision: int, rank: int) -> int:
-    """The token of the hold whose entry was created at ``revision`` with ``rank``:
-    the same on every node, also after a takeover."""
-    return floor + revision * TOKENS_PER_REVISION + rank
-
-
 class Ledger(Bookkeeping):
     """This node's sessions (by id and by tag), the holds they have, and what
     every backend keeps (:class:`~elockd.backend.interface.Bookkeeping`: counters, hooks, the
@@ -131,6 +117,13 @@ class Ledger(Bookkeeping):
         self.waits: dict[str, ClusterWait] = {}
 
     # --------------------------------------------------------------- sessions
+
+    def open_session(self, session_id: str, peer: bytes) -> ClusterSession:
+        """A new session of this node: it writes nothing to etcd until it first
+        takes a lock (see :meth:`.records.SessionRecords.ensure_record`)."""
+        session = ClusterSession(session_id, peer)
+        self.sessions[session_id] = session
+        return session
 
     def let_go(self, session: ClusterSession) -> None:
         """The session is no longer this node's (ended, lost or moved)."""
@@ -174,7 +167,7 @@ class Ledger(Bookkeeping):
         rank: int = 0,
     ) -> ClusterHold:
         """A hold this node now keeps for ``session``; ``rank`` is its entry's (see
-        :func:`fencing_token`)."""
+        :func:`.tokens.fencing_token`)."""
         shared = kind == SHARED
         token = fencing_token(self.token_floor, revision, rank)
         hold = ClusterHold(session, key, shared, revision, token, now)

@@ -12,8 +12,10 @@ Leaving revokes the node's lease, so its sessions' locks go at once rather than
 after the session TTL.
 
 These are the node's own loops; a request never runs them. What they find, a
-session lost or claimed elsewhere, they hand to :mod:`.ownership`, which decides
-what it means for the session.
+lease gone or a session claimed elsewhere, they hand to :mod:`.lease` and
+:mod:`.records`, which decide what it means for the sessions. Each has its own rule
+for etcd not answering (retry at start-up, count a failed round, reload the
+mirror), so their calls go through ``calls.unmapped`` (see :mod:`.calls`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 
 import trio
 
+from elockd.backend.cluster.calls import EtcdCalls
+from elockd.backend.cluster.ends import SessionEnds
 from elockd.backend.cluster.etcd.client import (
     EtcdError,
     EtcdUnavailable,
@@ -34,9 +38,11 @@ from elockd.backend.cluster.etcd.client import (
     put_op,
     range_op,
 )
-from elockd.backend.cluster.ledger import ClusterSession
+from elockd.backend.cluster.layout import Layout
+from elockd.backend.cluster.lease import NodeLease
+from elockd.backend.cluster.ledger import ClusterSession, Ledger
 from elockd.backend.cluster.mirror import QueueMirror
-from elockd.backend.cluster.ownership import SessionOwnership
+from elockd.backend.cluster.records import SessionRecords
 from elockd.backend.interface import BackendUnavailable
 
 log = logging.getLogger("elockd.cluster")
@@ -50,16 +56,24 @@ KEEPALIVE_RETRY = 0.5
 
 class ClusterNode:
     """One elockd node's membership of the cluster, and the background loops that
-    keep its sessions (one :class:`~elockd.backend.cluster.ownership.SessionOwnership`) alive."""
+    keep its sessions alive: the node's lease (:class:`~.lease.NodeLease`) kept,
+    their records (:class:`~.records.SessionRecords`) rechecked, their strays swept."""
 
-    def __init__(self, ownership: SessionOwnership, mirror: QueueMirror) -> None:
-        # The node keeps its sessions' leases alive: it runs on their ownership.
-        self.ownership = ownership
-        self.calls, self.ledger, self.layout = ownership.calls, ownership.ledger, ownership.layout
-        self.client = ownership.client
-        self.node_id = ownership.node_id
-        self.session_ttl = ownership.session_ttl
-        self.mirror = mirror
+    def __init__(
+        self,
+        calls: EtcdCalls,
+        ledger: Ledger,
+        layout: Layout,
+        mirror: QueueMirror,
+        lease: NodeLease,
+        records: SessionRecords,
+        ends: SessionEnds,
+        node_id: str,
+    ) -> None:
+        self.calls, self.ledger, self.layout, self.mirror = calls, ledger, layout, mirror
+        self.lease, self.records, self.ends = lease, records, ends
+        self.node_id = node_id
+        self.session_ttl = lease.ttl
         self._node_lease = 0
         #: A predecessor's heartbeat lease and the lease its sessions hang on, taken
         #: over with its books (docs/upgrade.md).
@@ -83,21 +97,22 @@ class ClusterNode:
             )
         else:
             self._node_lease = await self.calls.until_answered(self._start_heartbeat)
-        await self.calls.until_answered(self._adopt_or_grant_sessions_lease)
+        adopted_sessions_lease = self.adopted_sessions_lease
+        await self.calls.until_answered(lambda: self.lease.adopt(adopted_sessions_lease))
         await self.calls.until_answered(self._load_mirror)
         if self.adopted_lease:
             # Records claimed elsewhere while the predecessor was handing over.
-            await self.calls.until_answered(self.ownership.recheck_records)
+            await self.calls.until_answered(self.records.recheck_records)
         try:
             async with trio.open_nursery() as nursery:
                 self.calls.nursery = nursery
-                nursery.start_soon(self.client.run_batches)
+                nursery.start_soon(self.calls.run_batches)
                 nursery.start_soon(self._watch)
                 nursery.start_soon(self._keep_alive)
                 nursery.start_soon(self._heartbeat)
-                nursery.start_soon(self.ownership.enforce_deadline)
+                nursery.start_soon(self.lease.enforce_deadline)
                 for session in self.ended_at_join:
-                    self.ownership.disconnect(session, trio.current_time())
+                    self.ends.disconnect(session, trio.current_time())
                 self.ended_at_join = []
                 log.info("node %s joined at revision %d", self.node_id, self.mirror.revision)
                 task_status.started()
@@ -108,9 +123,9 @@ class ClusterNode:
                 with trio.move_on_after(SHUTDOWN_GRACE) as cleanup:
                     cleanup.shield = True
                     async with trio.open_nursery() as ends:
-                        ends.start_soon(self.ownership.end_all)
+                        ends.start_soon(self.lease.revoke)
                         ends.start_soon(self.calls.revoke_quietly, self._node_lease)
-                    self.ownership.set_lease(0, math.inf)
+                    self.lease.set(0, math.inf)
 
     # ------------------------------------------------------------------- join
 
@@ -118,59 +133,42 @@ class ClusterNode:
         """The first node of a new cluster records the wall clock in nanoseconds as
         the floor under every token: a cluster rebuilt empty later starts above it."""
         floor_key = self.layout.token_floor
-        result = await self.client.txn(
+        etcd = self.calls.unmapped
+        result = await etcd.txn(
             [compare_create(floor_key, "==", 0)],
             [put_op(floor_key, b"%d" % time.time_ns())],
             [range_op(floor_key)],
         )
         if result.succeeded:
-            _, kvs, _ = await self.client.get(floor_key)
+            _, kvs, _ = await etcd.get(floor_key)
         else:
             kvs = result.kvs(0)
         self.ledger.token_floor = int(kvs[0].value) if kvs else 0
 
     async def _start_heartbeat(self, *, urgent: bool = False) -> int:
-        lease, _ = await self.client.lease_grant(self._heartbeat_ttl())
+        lease, _ = await self.calls.unmapped.lease_grant(self._heartbeat_ttl())
         await self._beat(lease, urgent=urgent)
         return lease
 
     async def _renew_heartbeat(self, lease: int, *, urgent: bool = False) -> int:
         """Keep the heartbeat ``lease`` alive and write the node's key on it, or
         start a new one if it ran out: the lease the heartbeat goes on with."""
-        if await self.client.lease_keepalive(lease) == 0:
+        if await self.calls.unmapped.lease_keepalive(lease) == 0:
             return await self._start_heartbeat(urgent=urgent)
         await self._beat(lease, urgent=urgent)
         return lease
 
     async def _beat(self, lease: int, *, urgent: bool) -> None:
         pid = b"%d" % os.getpid()
-        await self.client.put(self.layout.node(self.node_id), pid, lease, urgent=urgent)
+        await self.calls.unmapped.put(self.layout.node(self.node_id), pid, lease, urgent=urgent)
 
     @property
     def heartbeat_lease(self) -> int:
         return self._node_lease
 
-    async def _adopt_or_grant_sessions_lease(self) -> None:
-        """The lease the sessions hang on: the predecessor's, if it still lives (a
-        hand-over), else a new one, and with it every adopted session is lost."""
-        lease = self.adopted_sessions_lease
-        if lease:
-            sent = trio.current_time()
-            remaining = await self.client.lease_keepalive(lease)
-            if remaining:
-                self.ownership.renewed(lease, sent, remaining)
-                return
-            self.ownership.lose_all("the node's etcd lease ran out during the hand-over")
-        await self._grant_sessions_lease()
-
-    async def _grant_sessions_lease(self) -> None:
-        sent = trio.current_time()
-        lease, ttl = await self.client.lease_grant(self.session_ttl)
-        self.ownership.renewed(lease, sent, ttl)
-
     async def _load_mirror(self) -> None:
         queues = self.layout.queues
-        revision, kvs, _ = await self.client.get(queues, prefix_end(queues))
+        revision, kvs, _ = await self.calls.unmapped.get(queues, prefix_end(queues))
         self.mirror.load(revision, kvs)
 
     # ------------------------------------------------------------------ loops
@@ -181,7 +179,7 @@ class ClusterNode:
             try:
                 # Every node writes its heartbeat under the root every TTL/3, so a
                 # stream quiet for a whole TTL comes from a hung member.
-                watch = self.client.watch(
+                watch = self.calls.watch(
                     root, prefix_end(root), self.mirror.revision + 1, silence=self.session_ttl
                 )
                 async for events in watch:
@@ -192,7 +190,7 @@ class ClusterNode:
                 while True:
                     try:
                         await self._load_mirror()
-                        await self.ownership.recheck_records()
+                        await self.records.recheck_records()
                         break
                     except (EtcdUnavailable, EtcdError):
                         await trio.sleep(0.5)
@@ -208,7 +206,7 @@ class ClusterNode:
         again: a write etcd refused may still commit when its members come back (the
         leader kept it in its log), and its entry reaches the mirror only then."""
         period = self.session_ttl / 3
-        ownership, calls = self.ownership, self.calls
+        lease, calls = self.lease, self.calls
         last_round = trio.current_time()  # the lease was just granted
         failed = False
         settle_until = -math.inf  # rounds come every KEEPALIVE_RETRY until then
@@ -219,8 +217,8 @@ class ClusterNode:
             with trio.move_on_at(next_round):
                 await calls.keeper_wanted.wait()
             if calls.keeper_wanted.is_set():  # something failed since the last round
-                settle_until = trio.current_time() + 2 * self.client.deadline
-            if failed or ownership.lease:
+                settle_until = trio.current_time() + 2 * calls.deadline
+            if failed or lease.id:
                 # Only a lease just lost hurries: never more often than
                 # KEEPALIVE_RETRY otherwise, however many calls fail meanwhile.
                 await trio.sleep_until(last_round + KEEPALIVE_RETRY)
@@ -228,35 +226,17 @@ class ClusterNode:
             failed = True
             if calls.handed_over:
                 return  # the successor keeps the lease alive now
-            ownership.check_expiry()  # a lease found gone here is this round's to renew
+            lease.check_expiry()  # a lease found gone here is this round's to renew
             # Anything that fails from here on calls for another round.
             calls.keeper_wanted = trio.Event()
             try:
-                await self._keep_lease_alive()
+                await lease.keep_alive()
             except (EtcdUnavailable, EtcdError):
                 calls.unavailable("node lease keepalive")
                 continue
             failed = False
             if not calls.frozen:  # whoever serves on sweeps
                 await self._sweep()
-
-    async def _keep_lease_alive(self) -> None:
-        ownership = self.ownership
-        lease = ownership.lease
-        if not lease:
-            if self.calls.frozen:
-                await self.calls.thawed()  # or whoever serves on gets one
-            else:
-                await self._grant_sessions_lease()
-            return
-        sent = trio.current_time()
-        remaining = await self.client.lease_keepalive(lease)
-        if ownership.lease != lease:
-            return
-        if remaining == 0:
-            ownership.lease_gone("etcd expired the node's lease")
-        else:
-            ownership.renewed(lease, sent, remaining)
 
     async def _heartbeat(self) -> None:
         """The node's own lease, renewed in a loop of its own (a slow session
@@ -281,7 +261,7 @@ class ClusterNode:
         was in flight, an answer lost after a commit, or a session this node no
         longer has. Judged on the mirror, and every delete is guarded by the entry's
         revision (and by the session record, for a session the node still has)."""
-        lease = self.ownership.lease
+        lease = self.lease.id
         if not lease:
             return
         now = trio.current_time()
@@ -297,7 +277,7 @@ class ClusterNode:
             if session is None:
                 strays = entries
             else:
-                held = dict(self.ownership.entries(self.ledger.holds(session)))
+                held = dict(self.records.entries(self.ledger.holds(session)))
                 strays = [
                     (key, revision)
                     for key, revision in entries
@@ -305,6 +285,6 @@ class ClusterNode:
                 ]
             if strays:
                 try:
-                    await self.ownership.delete_entries(session, strays)
+                    await self.records.delete_entries(session, strays)
                 except (EtcdUnavailable, EtcdError, BackendUnavailable):
                     return  # next round

@@ -3,7 +3,7 @@
 The counterpart of etcd's ``concurrency/mutex.go``, for exclusive, shared and
 multi-key locks. A request enters every queue it asks for in one transaction,
 its entries named by its session's tag and bound to the node's lease
-(:mod:`.ownership`); it holds when the grant rule
+(:mod:`.lease`); it holds when the grant rule
 (:mod:`.mirror`) says so at the revision of that transaction, and otherwise waits
 until the node's mirror of the queues reaches a revision where it does. A try
 (``g``, ``lock K`` without a wait) enters only if the queue is empty, in the same
@@ -12,10 +12,11 @@ every node counts the same holders. Frees are guarded by the entry's revision an
 the session record: only the entry this request created, only while this node
 still owns the session.
 
-It asks :mod:`.ownership` for a session's tag, the node's lease, the guard and
-guarded deletes, and writes grants and frees into the node's books
-(:mod:`.ledger`). It never ends a session itself and calls etcd only for a request
-that waits for the answer.
+It asks :mod:`.records` for a session's tag, the guard and guarded deletes,
+:mod:`.lease` for the node's lease and whether it is still within its deadline,
+and :mod:`.tokens` for its new entries' ranks, and writes grants and frees into
+the node's books (:mod:`.ledger`). It never ends a session itself and calls etcd
+(through :mod:`.calls`) only for a request that waits for the answer.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 
 import trio
 
+from elockd.backend.cluster.calls import EtcdCalls
 from elockd.backend.cluster.etcd.client import (
     KeyValue,
     compare_create,
@@ -35,13 +37,15 @@ from elockd.backend.cluster.etcd.client import (
     range_op,
     txn_op,
 )
-from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, entry_value, parse_entry_value
-from elockd.backend.cluster.ledger import (
-    TOKENS_PER_REVISION,
-    ClusterHold,
-    ClusterSession,
-    ClusterWait,
+from elockd.backend.cluster.layout import (
+    EXCLUSIVE,
+    SHARED,
+    Layout,
+    entry_value,
+    parse_entry_value,
 )
+from elockd.backend.cluster.lease import NodeLease
+from elockd.backend.cluster.ledger import ClusterHold, ClusterSession, ClusterWait, Ledger
 from elockd.backend.cluster.mirror import (
     GRANTED,
     LOST,
@@ -52,7 +56,8 @@ from elockd.backend.cluster.mirror import (
     may_grant_shared,
     shared_rule_input,
 )
-from elockd.backend.cluster.ownership import SessionOwnership
+from elockd.backend.cluster.records import SessionRecords
+from elockd.backend.cluster.tokens import RankCounter, rank_of
 from elockd.backend.interface import BackendUnavailable, Grant, Holders, QueueFull
 from elockd.engine.sessions import Session
 
@@ -63,17 +68,24 @@ PUTS_PER_TXN = 64
 
 
 class LockRecipe:
-    """Acquire, release and renew, and the reads ``i``/``d``/``info`` make, for the
-    sessions of one :class:`~elockd.backend.cluster.ownership.SessionOwnership`."""
+    """Acquire, release and renew, and the reads ``i``/``d``/``info`` make, for this
+    node's sessions: built on the node's lease and the sessions' records, as etcd's
+    Mutex on its Session."""
 
-    def __init__(self, ownership: SessionOwnership, mirror: QueueMirror, max_waiters: int) -> None:
-        # Built on session ownership, as etcd's Mutex on its Session.
-        self.ownership = ownership
-        self.calls, self.ledger, self.layout = ownership.calls, ownership.ledger, ownership.layout
-        self.client = ownership.client
-        self.mirror = mirror
+    def __init__(
+        self,
+        calls: EtcdCalls,
+        ledger: Ledger,
+        layout: Layout,
+        mirror: QueueMirror,
+        lease: NodeLease,
+        records: SessionRecords,
+        max_waiters: int,
+    ) -> None:
+        self.calls, self.ledger, self.layout, self.mirror = calls, ledger, layout, mirror
+        self.lease, self.records = lease, records
         self.max_waiters = max_waiters
-        self._next_rank = 0  # see _ranks
+        self.ranks = RankCounter()
 
     # ---------------------------------------------------------------- acquire
 
@@ -95,7 +107,7 @@ class LockRecipe:
         """
         table = session.shared if kind == SHARED else session.exclusive
         if session.tag:
-            self.ownership.confirm(session)  # what it holds is confirmed below
+            self.lease.confirm(session)  # what it holds is confirmed below
         missing = list(dict.fromkeys(k for k in keys if k not in table))
         now = trio.current_time()
         for key in keys:
@@ -110,7 +122,7 @@ class LockRecipe:
         self.ledger.check_hold_room(session, len(missing))
         if wait and any(self._waiting(kind, key) >= self.max_waiters for key in missing):
             raise QueueFull
-        tag = await self.ownership.ensure_record(session)
+        tag = await self.records.ensure_record(session)
         entries = [self.layout.entry(kind, k, tag) for k in missing]
         await self._free_own_strays(session, entries)
         # From here until the request ends, its entries are not strays, whatever
@@ -135,28 +147,8 @@ class LockRecipe:
             for etcd_key in entries
             if etcd_key not in session.pending and (entry := self.mirror.entry(etcd_key))
         ]
-        if strays and not await self.ownership.delete_entries(session, strays):
+        if strays and not await self.records.delete_entries(session, strays):
             raise BackendUnavailable("session taken over by another node")
-
-    def _ranks(self, keys: Sequence[bytes]) -> tuple[dict[bytes, int], int]:
-        """The rank of each key's new entry, and how many ranks that took: with the
-        entry's create revision, a rank makes the fencing token of that key's hold
-        (:mod:`.ledger`). The node counts its entries round modulo
-        TOKENS_PER_REVISION; a request's keys take consecutive ranks in byte order,
-        from 0 when they would wrap (the ranks skipped count as taken). The txns sent
-        to etcd in one batch (one revision) take at most TOKENS_PER_REVISION ranks
-        in a row (see :mod:`.txn_batch`), so no two holds of a revision share a token."""
-        start = self._next_rank
-        skipped = TOKENS_PER_REVISION - start if start + len(keys) > TOKENS_PER_REVISION else 0
-        first = (start + skipped) % TOKENS_PER_REVISION
-        self._next_rank = (first + len(keys)) % TOKENS_PER_REVISION
-        ranks = {key: first + place for place, key in enumerate(sorted(keys))}
-        return ranks, skipped + len(keys)
-
-    def _rank_of(self, entry: bytes) -> int:
-        """The rank in an entry the mirror knows (a granted waiter's)."""
-        found = self.mirror.entry(entry)
-        return found.rank if found is not None else 0
 
     def _waiting(self, kind: bytes, key: bytes) -> int:
         """Requests waiting for ``key`` now (``--max-waiters`` counts these, cluster
@@ -178,9 +170,9 @@ class LockRecipe:
     ) -> Grant:
         now = trio.current_time()
         # Before the ranks: a request refused after taking them would leave a gap
-        # in the count the batcher keeps tokens unique by (see _ranks).
-        lease = self.ownership.current_lease()
-        ranks, ranks_taken = self._ranks(keys)
+        # in the count the batcher keeps tokens unique by (see .tokens).
+        lease = self.lease.current()
+        ranks, ranks_taken = self.ranks.take(keys)
         owner, peer = session.owner, session.peer
         values = [entry_value(limit, ttl, owner, rank=ranks[k], peer=peer) for k in keys]
         # Anything of ours created at or before this revision is not this request's:
@@ -203,7 +195,7 @@ class LockRecipe:
                 grant.count = holders
             return grant
         if not wait:
-            await self.ownership.delete_entries(session, [(e, revision) for e in entries])
+            await self.records.delete_entries(session, [(e, revision) for e in entries])
             return Grant(False, await self._holders(keys[0]))
         queued = trio.current_time()
         state = ClusterWait(
@@ -225,13 +217,11 @@ class LockRecipe:
     ) -> Grant:
         """One txn: if every key's queue is empty, enter them all."""
         prefixes = [self.layout.queue_prefix(EXCLUSIVE, k) for k in keys]
-        result = await self.calls.etcd(
-            self.client.txn(
-                [compare_create(p, "==", 0, prefix_end(p)) for p in prefixes],
-                [put_op(e, v, lease) for e, v in zip(entries, values, strict=True)],
-                [range_op(p, prefix_end(p), sort_by_create=True, limit=1) for p in prefixes],
-                ranks=ranks_taken,
-            ),
+        result = await self.calls.txn(
+            [compare_create(p, "==", 0, prefix_end(p)) for p in prefixes],
+            [put_op(e, v, lease) for e, v in zip(entries, values, strict=True)],
+            [range_op(p, prefix_end(p), sort_by_create=True, limit=1) for p in prefixes],
+            ranks=ranks_taken,
         )
         now = trio.current_time()
         if result.succeeded:
@@ -268,17 +258,15 @@ class LockRecipe:
         when unknown)."""
         prefixes = [self.layout.queue_prefix(kind, k) for k in keys]
         shared = kind == SHARED  # the shared rule needs every entry's limit
-        result = await self.calls.etcd(
-            self.client.txn(
-                [compare_create(e, "==", 0) for e in entries],
-                [put_op(e, v, lease) for e, v in zip(entries, values, strict=True)]
-                + [
-                    range_op(p, prefix_end(p), count_only=not shared, sort_by_create=shared)
-                    for p in prefixes
-                ],
-                [range_op(e) for e in entries],
-                ranks=ranks_taken,
-            ),
+        result = await self.calls.txn(
+            [compare_create(e, "==", 0) for e in entries],
+            [put_op(e, v, lease) for e, v in zip(entries, values, strict=True)]
+            + [
+                range_op(p, prefix_end(p), count_only=not shared, sort_by_create=shared)
+                for p in prefixes
+            ],
+            [range_op(e) for e in entries],
+            ranks=ranks_taken,
         )
         if result.succeeded:
             revision = result.revision
@@ -356,19 +344,20 @@ class LockRecipe:
                 # Timed out, lost, or the peer left: take our entries out of the
                 # queues (also when this task is being cancelled). If etcd cannot
                 # be reached now, the stray sweep deletes them later.
-                with trio.move_on_after(self.client.deadline + 1) as scope:
+                with trio.move_on_after(calls.deadline + 1) as scope:
                     scope.shield = True
                     with contextlib.suppress(BackendUnavailable):
-                        await self.ownership.delete_entries(
-                            session, [(e, revision) for e in entries]
-                        )
+                        await self.records.delete_entries(session, [(e, revision) for e in entries])
         if waiter.state == GRANTED and kind == SHARED:
             with trio.CancelScope(shield=True):  # an unmarked grant would block the queue
                 marked = await self._mark_held(entries[0], revision, limit, ttl, session)
             if not marked:
                 waiter.state = LOST
         if waiter.state == GRANTED:
-            ranks = {key: self._rank_of(entry) for key, entry in zip(keys, entries, strict=True)}
+            ranks = {
+                key: rank_of(self.mirror.entry(entry))
+                for key, entry in zip(keys, entries, strict=True)
+            }
             return self._granted(session, kind, keys, revision, ttl, now, ranks, waited=True)
         if session.lost:
             raise BackendUnavailable("session lost: this node's etcd lease ran out")
@@ -398,12 +387,12 @@ class LockRecipe:
         revision, which may trail etcd (a slow or replayed watch); the lease being
         within its local deadline (checked by :meth:`_granted`) is what proves etcd
         has not expired the entries since."""
-        self.ownership.check_expiry()
-        if session.lost or not self.ownership.lease:
+        self.lease.check_expiry()
+        if session.lost or not self.lease.id:
             return False
         for etcd_key in entries:
             found = self.mirror.entry(etcd_key)
-            if found is None or found.revision != revision or found.lease != self.ownership.lease:
+            if found is None or found.revision != revision or found.lease != self.lease.id:
                 return False
         return True
 
@@ -427,7 +416,7 @@ class LockRecipe:
     ) -> Grant:
         # The moment of the grant: only under a lease within its local deadline,
         # and never with a token below one this node saw hold the lock before.
-        self.ownership.confirm(session)
+        self.lease.confirm(session)
         if kind == EXCLUSIVE:
             self._check_token_order(keys, revision)
         for key in keys:
@@ -449,13 +438,11 @@ class LockRecipe:
         :mod:`.mirror`): False when the entry is gone (the session was lost) or the
         session is another node's now (the put would move the entry back here)."""
         value = entry_value(limit, ttl, session.owner, held=True, peer=session.peer)
-        self.ownership.confirm(session)
-        lease = self.ownership.current_lease()
-        result = await self.calls.etcd(
-            self.client.txn(
-                [compare_create(entry, "==", revision), self.ownership.record_guard(session)],
-                [put_op(entry, value, lease)],
-            )
+        self.lease.confirm(session)
+        lease = self.lease.current()
+        result = await self.calls.txn(
+            [compare_create(entry, "==", revision), self.records.record_guard(session)],
+            [put_op(entry, value, lease)],
         )
         return result.succeeded
 
@@ -470,7 +457,7 @@ class LockRecipe:
         if hold is None:
             return Grant(False)
         assert isinstance(hold, ClusterHold)
-        entry = self.ownership.entry_key(hold)
+        entry = self.records.entry_key(hold)
         # A shared release answers with the holders left; an exclusive one reads
         # nothing (less work for etcd on the busiest path).
         reads = []
@@ -480,15 +467,13 @@ class LockRecipe:
         # Let go here first: if etcd does not answer, the stray sweep frees the entry
         # once it does (the client was asked to release, not to keep holding).
         self.ledger.drop(hold, trio.current_time())
-        result = await self.calls.etcd(
-            self.client.txn(
-                [self.ownership.record_guard(session)],
-                [
-                    txn_op([compare_create(entry, "==", hold.revision)], [delete_op(entry)]),
-                    *reads,
-                ],
-                reads,
-            ),
+        result = await self.calls.txn(
+            [self.records.record_guard(session)],
+            [
+                txn_op([compare_create(entry, "==", hold.revision)], [delete_op(entry)]),
+                *reads,
+            ],
+            reads,
         )
         if not result.succeeded:
             # Another node took the session over (its watch event follows); what is
@@ -500,11 +485,11 @@ class LockRecipe:
         """Free every hold; if etcd refuses, the holds are gone here anyway and the
         stray sweep frees their entries once etcd answers."""
         holds = self.ledger.holds(session)
-        entries = self.ownership.entries(holds)
+        entries = self.records.entries(holds)
         now = trio.current_time()
         for hold in holds:
             self.ledger.drop(hold, now)
-        await self.ownership.delete_entries(session, entries)
+        await self.records.delete_entries(session, entries)
 
     def renew(self, session: Session, key: bytes, ttl: float) -> bool:
         hold = session.exclusive.get(key) or session.shared.get(key)
@@ -526,14 +511,12 @@ class LockRecipe:
         try answers from its txn), and that entry would keep the old owner."""
         session.name = name
         # Its holds and the entries of its requests still in flight (a wait).
-        keys = [self.ownership.entry_key(hold) for hold in self.ledger.holds(session)]
+        keys = [self.records.entry_key(hold) for hold in self.ledger.holds(session)]
         keys += sorted(session.pending - set(keys))
-        lease = self.ownership.lease
+        lease = self.lease.id
         for start in range(0, len(keys), PUTS_PER_TXN):
             batch = keys[start : start + PUTS_PER_TXN]
-            read = await self.calls.etcd(
-                self.client.txn([], [range_op(etcd_key) for etcd_key in batch])
-            )
+            read = await self.calls.txn([], [range_op(etcd_key) for etcd_key in batch])
             puts = []
             for index, etcd_key in enumerate(batch):
                 found = read.kvs(index)
@@ -552,7 +535,7 @@ class LockRecipe:
                 revision = found[0].create_revision
                 puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))
             if puts:
-                await self.calls.etcd(self.client.txn([self.ownership.record_guard(session)], puts))
+                await self.calls.txn([self.records.record_guard(session)], puts)
 
     # ------------------------------------------------------------------ reads
 
@@ -561,9 +544,7 @@ class LockRecipe:
         prefix = self.layout.queues + kind + b"/"
         if key is not None:
             prefix = self.layout.queue_prefix(kind, key)
-        _, kvs, _ = await self.calls.etcd(
-            self.client.get(prefix, prefix_end(prefix), sort_by_create=True)
-        )
+        _, kvs, _ = await self.calls.get(prefix, prefix_end(prefix), sort_by_create=True)
         queues: dict[bytes, list[KeyValue]] = {}
         for kv in kvs:
             name = self.layout.parse_entry(kv.key)

@@ -2,22 +2,27 @@
 
 etcd decides; a node only asks. :class:`ClusterLockSpace` is what the server, the
 cluster's verbs, ``q`` and /metrics hold on to, and it only puts together the
-parts, split as etcd's own client splits its ``concurrency`` package:
+parts, split as etcd's own client splits its ``concurrency`` package, each with
+one job:
 
-* :mod:`.ownership`: session ownership (``session.go``): the node's etcd lease a
-  session's keys hang on, the session's tag and record, its ends (disconnect,
-  grace, ``ttl=`` expiry, loss, a move elsewhere) and its takeover with ``conn_id``;
+* :mod:`.lease`: the node's etcd lease (``session.go``): its grant, keepalive and
+  revoke, and the local deadline after which nothing under it is confirmed;
+* :mod:`.records`: a session's tag and record, the guard every free carries, and
+  the guarded deletes of its entries;
+* :mod:`.ends`: a session's ends (disconnect, grace, ``ttl=`` expiry, loss with the
+  lease, a move elsewhere);
+* :mod:`.takeover`: ``conn_id``, here or from a node that is gone;
 * :mod:`.recipe`: the lock recipe (``mutex.go``): acquire, release, renew, and the
   reads behind ``i``, ``d`` and ``info``;
-* :mod:`.node`: the node's lifecycle: join, the watch, the heartbeat, the keepalive
-  of the node's lease and the stray sweep, and leaving.
+* :mod:`.node`: the node's lifecycle: join, the watch, the heartbeat, the keeper
+  (the lease's keepalive rounds and the stray sweep), and leaving.
 
-Under all three lie this node's books (:mod:`.ledger`: sessions, holds, deadlines,
-counters; pure), the one way they call etcd (:mod:`.calls`: a failed call fails
-closed with :class:`~elockd.backend.interface.BackendUnavailable` and is counted), the keys
+Under them lie this node's books (:mod:`.ledger`: sessions, holds, deadlines,
+counters), the fencing-token rule (:mod:`.tokens`), the one way they call etcd
+(:mod:`.calls`: the only holder of the etcd client; a failed call fails closed
+with :class:`~elockd.backend.interface.BackendUnavailable` and is counted), the keys
 and values (:mod:`.layout`) and the mirror of the queues with the grant rule
-(:mod:`.mirror`). The parts share these: :mod:`.recipe` and :mod:`.node` take
-ownership's calls, ledger and layout (and its etcd client) when they are built.
+(:mod:`.mirror`). Each part is given at construction, here, the parts it uses.
 """
 
 from __future__ import annotations
@@ -29,19 +34,17 @@ from typing import Any, Generic, TypeVar, cast
 import trio
 
 from elockd.backend.cluster.calls import EtcdCalls
+from elockd.backend.cluster.ends import SessionEnds, SessionLoss
 from elockd.backend.cluster.etcd.client import EtcdClient
 from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, Layout, parse_entry_value
-from elockd.backend.cluster.ledger import (
-    ClusterAnswer,
-    ClusterHold,
-    ClusterSession,
-    Ledger,
-    fencing_token,
-)
+from elockd.backend.cluster.lease import NodeLease
+from elockd.backend.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, Ledger
 from elockd.backend.cluster.mirror import QueueMirror
 from elockd.backend.cluster.node import ClusterNode
-from elockd.backend.cluster.ownership import SessionOwnership
 from elockd.backend.cluster.recipe import LockRecipe
+from elockd.backend.cluster.records import SessionRecords
+from elockd.backend.cluster.takeover import Takeover
+from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import (
     BackendUnavailable,
     Grant,
@@ -121,22 +124,27 @@ class ClusterLockSpace:
         max_waiters: int = 10_000,
         max_holds: int = 10_000,
     ) -> None:
-        self.client = client
+        self.client = client  # the server closes it; only calls (below) calls it
         self.layout = layout = Layout(root)
         self.session_ttl = session_ttl
         self.max_waiters = max_waiters
         self.max_holds = max_holds
-        self.node_id = secrets.token_hex(8)
+        self.node_id = node_id = secrets.token_hex(8)
         self.ledger = ledger = Ledger(max_holds, max_waiters)
         self.calls = calls = EtcdCalls(client)
         self.mirror = mirror = QueueMirror(layout)
-        self.ownership = ownership = SessionOwnership(
-            calls, ledger, layout, mirror, self.node_id, session_ttl
-        )
-        calls.on_lease_gone = ownership.lease_gone
-        mirror.on_other = ownership.record_changed
-        self.recipe = LockRecipe(ownership, mirror, max_waiters)
-        self.node = ClusterNode(ownership, mirror)
+        # Each part is given the parts it uses. SessionLoss comes first: it needs
+        # nothing of etcd, and the lease and the records tell it of a session lost
+        # with the lease or moved to another node.
+        self.loss = loss = SessionLoss(calls, ledger, session_ttl)
+        self.lease = lease = NodeLease(calls, session_ttl, loss.lose_all)
+        self.records = records = SessionRecords(calls, ledger, layout, lease, node_id, loss.moved)
+        self.ends = ends = SessionEnds(calls, ledger, lease, records, mirror)
+        self.takeover = Takeover(calls, ledger, layout, mirror, lease, records, ends)
+        calls.on_lease_gone = lease.gone
+        mirror.on_other = records.record_changed
+        self.recipe = LockRecipe(calls, ledger, layout, mirror, lease, records, max_waiters)
+        self.node = ClusterNode(calls, ledger, layout, mirror, lease, records, ends, node_id)
         self.sessions = ledger.sessions
         # The cluster's lock counts, from the mirror.
         self.exclusive = _Counted(mirror.exclusive_locks)
@@ -144,10 +152,10 @@ class ClusterLockSpace:
 
         # The operations the node's own tasks run (timer, watch, keepalives).
         self.run = self.node.run
-        self.open_session = ownership.open_session
-        self.disconnect = ownership.disconnect
+        self.open_session = ledger.open_session
+        self.disconnect = ends.disconnect
         self.next_deadline = ledger.next_deadline
-        self.advance = ownership.advance
+        self.advance = ends.advance
         self.local_hold = ledger.local_hold
 
     # ------------------------------------------------ the backend interface
@@ -156,7 +164,7 @@ class ClusterLockSpace:
 
     def take_over(self, session_id: str, current: Session) -> Later[Session | None]:
         async def run() -> Session | None:
-            return await self.ownership.take_over(session_id, _ours(current))
+            return await self.takeover.take_over(session_id, _ours(current))
 
         return Later(run)
 
@@ -278,11 +286,11 @@ class ClusterLockSpace:
         return Later(lambda: self.recipe.release_all(_ours(session)))
 
     def renew(self, session: Session, key: bytes, now: float, ttl: float) -> bool:
-        self.ownership.check_expiry()  # past it, the session's holds are gone
+        self.lease.check_expiry()  # past it, the session's holds are gone
         return self.recipe.renew(session, key, ttl)
 
     def token(self, session: Session, key: bytes) -> int | None:
-        self.ownership.check_expiry()  # past it, the session's holds are gone
+        self.lease.check_expiry()  # past it, the session's holds are gone
         hold = session.exclusive.get(key)
         return None if hold is None else hold.token
 
@@ -316,7 +324,7 @@ class ClusterLockSpace:
     def thaw(self) -> None:
         self.calls.thaw()
         # What the watch skipped while frozen: sessions claimed elsewhere meanwhile.
-        self.calls.spawn(self.ownership.recheck_records, "recheck session records")
+        self.calls.spawn(self.records.recheck_records, "recheck session records")
 
     def hand_off(self) -> None:
         self.calls.hand_off()
@@ -325,7 +333,7 @@ class ClusterLockSpace:
         """Be the node a predecessor was: its sessions' records name it, its
         heartbeat lease says it lives, and its sessions hang on its lease (which the
         node renews as it joins)."""
-        self.node_id = self.ownership.node_id = self.node.node_id = node_id
+        self.node_id = self.records.node_id = self.node.node_id = node_id
         self.node.adopted_lease = heartbeat_lease
         self.node.adopted_sessions_lease = sessions_lease
 
@@ -351,6 +359,6 @@ class ClusterLockSpace:
 
 
 def _ours(session: Session) -> ClusterSession:
-    """Every session of a node is one it opened (:meth:`SessionOwnership.open_session`)."""
+    """Every session of a node is one it opened (:meth:`Ledger.open_session`)."""
     assert isinstance(session, ClusterSession)
     return session

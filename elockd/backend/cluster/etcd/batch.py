@@ -19,10 +19,10 @@ so none overtakes another.
 
 A txn that creates a queue entry reads its queue: entries in one queue never share
 a batch, and so never share a create revision (their order in the queue). Entries of
-different queues do, and a hold's fencing token is its entry's create revision
-times 64 plus a rank the node gives each new entry, counting round: a batch takes
-txns whose entries use at most 64 ranks in a row (``ranks``), so every hold of one
-revision has a token of its own.
+different queues do. The user of this client tells apart the holds of one revision
+by a *rank* it gives each new entry, counting round: each txn says how many ranks it
+took (``ranks``), and a batch takes at most ``max_ranks`` of them in a row (the
+lock layer's rule, passed in: this package knows nothing of fencing tokens).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
-
-from elockd.backend.cluster.ledger import TOKENS_PER_REVISION
 
 #: etcd's default ``--max-txn-ops``: operations per txn, along every nesting path.
 MAX_TXN_OPS = 128
@@ -213,7 +211,9 @@ class TxnBatcher:
     a time, so that one txn etcd refuses (say, a lease that is gone) fails alone.
     Any other error fails every txn of the batch with it. ``unanswered``: the error
     of a txn whose batch was cut off in flight (the node stopping), whose fate is
-    unknown as after a timeout.
+    unknown as after a timeout. ``max_ranks``: the most ranks (see :class:`Queued`)
+    the txns of one batch may take in a row, withdrawn ones included; None when no
+    txn takes any.
     """
 
     def __init__(
@@ -223,9 +223,11 @@ class TxnBatcher:
         alone_on: tuple[type[Exception], ...],
         unanswered: Callable[[], Exception],
         in_flight: int,
+        max_ranks: int | None,
         stale: Callable[[float], Exception | None] = lambda since: None,
     ) -> None:
         self._send = send
+        self.max_ranks = max_ranks
         self._alone_on = alone_on
         self._unanswered = unanswered
         self._stale = stale
@@ -280,7 +282,7 @@ class TxnBatcher:
         queue = self._queue
         while queue:
             queued = queue[0]
-            if batch and ranks + queued.ranks > TOKENS_PER_REVISION:
+            if batch and self.max_ranks is not None and ranks + queued.ranks > self.max_ranks:
                 break
             if queued.withdrawn or self._failed_stale(queued):
                 queue.popleft()

@@ -3,7 +3,7 @@
 Why the gateway and not gRPC: the gRPC libraries are asyncio-bound or blocking, while
 plain HTTP/1.1 runs on trio sockets, so trio cancellation and timeouts work everywhere.
 Unary calls go over a small pool of keep-alive connections framed by h11
-(:mod:`.etcd_transport`); txns may go in batches (:mod:`.txn_batch`). The one
+(:mod:`.transport`); txns may go in batches (:mod:`.batch`). The one
 long-lived watch stream per node still uses httpx, where that cost does not matter.
 The gateway has quirks this module hides: keys and values travel as base64, int64
 values come as JSON strings (lease IDs exceed 2**53, so nothing may pass through a
@@ -231,7 +231,7 @@ class EtcdClient:
     starts only once they are sent, so a node's own backlog is never read as etcd
     not answering. Lease keepalives have :data:`URGENT_SLOTS` of their own. The
     window and those places also bound the keep-alive connections of unary calls
-    (see :mod:`.etcd_transport`).
+    (see :mod:`.transport`).
     Watches are not counted there: each holds an httpx streaming connection of its
     own for its whole life.
     """
@@ -259,13 +259,9 @@ class EtcdClient:
         self._transport = Transport(max_concurrent + URGENT_SLOTS)
         #: When the last call ran out of its deadline unanswered (trio time).
         self._gave_up_at = -math.inf
-        self._batcher = TxnBatcher(
-            lambda payload: self._call_payload("kv/txn", payload),
-            alone_on=(EtcdError,),
-            unanswered=lambda: EtcdUnavailable("the node stopped with this txn in flight"),
-            in_flight=batches_in_flight(max_concurrent),
-            stale=lambda since: self._gave_up_while_waiting("kv/txn", since),
-        )
+        self._max_concurrent = max_concurrent
+        #: Made by :meth:`run_batches`, which is told the rank rule of its txns.
+        self._batcher: TxnBatcher | None = None
         # Only for watches: a stream holds its connection for life, none is worth keeping.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(attempt_timeout),
@@ -278,15 +274,26 @@ class EtcdClient:
         """The endpoint calls go to now (the sticky one)."""
         return self.endpoints[self._current]
 
-    async def run_batches(self) -> None:
+    async def run_batches(self, *, max_ranks: int | None = None) -> None:
         """Send txns in batches (group commit) until cancelled; until it runs, and
-        after, each txn is sent on its own."""
-        await self._batcher.run()
+        after, each txn is sent on its own. ``max_ranks``: the most ranks (see
+        :meth:`txn`) one batch may take in a row, from the user of the client, whose
+        rule it is (None when no txn takes any)."""
+        self._batcher = batcher = TxnBatcher(
+            lambda payload: self._call_payload("kv/txn", payload),
+            alone_on=(EtcdError,),
+            unanswered=lambda: EtcdUnavailable("the node stopped with this txn in flight"),
+            in_flight=batches_in_flight(self._max_concurrent),
+            max_ranks=max_ranks,
+            stale=lambda since: self._gave_up_while_waiting("kv/txn", since),
+        )
+        await batcher.run()
 
     @property
     def batch_counts(self) -> tuple[int, int]:
         """(batches of several txns etcd answered, txns in them)."""
-        return self._batcher.batches, self._batcher.batched
+        batcher = self._batcher
+        return (0, 0) if batcher is None else (batcher.batches, batcher.batched)
 
     async def aclose(self) -> None:
         self._transport.close()
@@ -393,15 +400,16 @@ class EtcdClient:
         ranks: int = 0,
     ) -> TxnResult:
         """One txn; while :meth:`run_batches` runs, sent in a batch with the txns
-        that wait beside it (group commit, see :mod:`.txn_batch`), with the same
-        answer as alone. ``ranks``: how many token ranks its new queue entries
-        take (a batch holds at most 64, see :mod:`.recipe`)."""
+        that wait beside it (group commit, see :mod:`.batch`), with the same
+        answer as alone. ``ranks``: how many ranks its new entries take, of the
+        run of ``max_ranks`` a batch may hold (the caller's rule)."""
         body = {"compare": list(compare), "success": list(success), "failure": list(failure)}
         payload = json.dumps(body).encode()
         reply: dict[str, Any] | None = None
-        if self._batcher.running:
+        batcher = self._batcher
+        if batcher is not None and batcher.running:
             queued = Queued(body, payload, ranks)
-            await self._batcher.submit(queued)
+            await batcher.submit(queued)
             error = queued.error
             if isinstance(error, EtcdUnavailable):
                 raise EtcdUnavailable(str(error)) from None  # one object per waiting task
