@@ -58,9 +58,10 @@ from elockd.backend.cluster.layout import (
 )
 from elockd.backend.cluster.ledger import ClusterHold, ClusterSession, Ledger
 from elockd.backend.cluster.mirror import ClusterWaiter, QueueMirror, granted_kvs
-from elockd.backend.interface import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED, BackendUnavailable
+from elockd.backend.interface import BackendUnavailable
 from elockd.daemon.logs import shown
 from elockd.daemon.logthrottle import LogThrottle
+from elockd.engine.bookkeeping import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED
 from elockd.engine.sessions import Session
 
 log = logging.getLogger("elockd.cluster")
