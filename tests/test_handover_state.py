@@ -29,6 +29,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from elockd.backend import memory_state
+from elockd.backend import state as records
 from elockd.backend.cluster.etcd.client import EtcdClient
 from elockd.backend.cluster.space import ClusterLockSpace
 from elockd.backend.interface import QueueFull, TooManyHolds
@@ -36,8 +38,6 @@ from elockd.backend.memory import MemoryBackend, Wait
 from elockd.daemon.config import Config
 from elockd.engine.locks import FREE_SLICE
 from elockd.engine.sessions import WAITING, Hold, Session, Waiter
-from elockd.handover import records, state
-from elockd.handover.cluster_state import ClusterRestorer, dump_cluster
 from elockd.handover.pause import Backlog, Parked
 from elockd.handover.state import ConnectionState, Record, Restorer, StateError, dump_state
 from elockd.net.transport import StreamTransport
@@ -653,7 +653,7 @@ def test_a_state_of_many_rows_moves_in_batches() -> None:
         whole(conn.handle(b"g k%d" % n, 0.0))
         whole(conn.handle(b"sg s", 0.0))
     waiting = {c: waits(c, b"lock k0 30", 0.0) for c in conns[1:]}
-    with patch.object(records, "BATCH", 3), patch.object(state, "HOLDS_BATCH", 3):
+    with patch.object(records, "BATCH", 3), patch.object(memory_state, "HOLDS_BATCH", 3):
         both = hand_over(old, 1.0, conns, pending=waiting)
     kinds = [r["t"] for r in both.records]
     assert kinds.count("sessions") == kinds.count("exclusive") == 3  # 7 rows: 3 + 3 + 1
@@ -1101,7 +1101,7 @@ async def test_a_node_with_a_lease_per_session_is_refused_by_a_successor() -> No
 
     client = EtcdClient(["http://127.0.0.1:9"])
     space = ClusterLockSpace(client, b"/p/")
-    restorer = ClusterRestorer(Service(Config(), space, COMMANDS), 0.0)
+    restorer = Restorer(Service(Config(), space, COMMANDS), 0.0)
     old_node = {
         "t": "node",
         "node_id": "ab12",
@@ -1119,8 +1119,8 @@ def hand_over_cluster(
 ) -> None:
     """Dump a cluster node's books (no connections) and feed them to a successor's,
     through JSON as on the control socket."""
-    dumped = list(dump_cluster(Service(Config(), old, COMMANDS), [], now=old_now))
-    restorer = ClusterRestorer(Service(Config(), new, COMMANDS), new_now)
+    dumped = list(dump_state(Service(Config(), old, COMMANDS), [], now=old_now))
+    restorer = Restorer(Service(Config(), new, COMMANDS), new_now)
     for record in dumped:
         restorer.feed(json.loads(json.dumps(record)))
 

@@ -14,34 +14,31 @@ coroutine that produces the value, because the request waits for a grant or need
 the backend's I/O. The in-memory backend answers at once except when a request
 waits; a cluster node answers every operation that touches etcd later.
 
-This module is a leaf: it imports nothing of elockd but the plain records of
-:mod:`elockd.engine.sessions` and the deadline heap, so both backends and the protocol
-layer can depend on it without a cycle.
+The interface is the verbs and nothing else. What a backend counts, and the
+hooks that report it, live in its bookkeeping object (``books``, an
+:class:`elockd.engine.bookkeeping.Bookkeeping`); what a hand-over moves, the
+backend writes and reads itself (:meth:`Backend.dump`, :meth:`Backend.restore`,
+records as :mod:`elockd.backend.state` frames them). One vocabulary for both
+backends: a lock's kind is ``shared: bool``, and "no limit" is ``None``.
+
+This module imports nothing of elockd but the engine and the record format, so
+both backends and the protocol layer can depend on it without a cycle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, Sized
-from typing import Generic, Protocol, TypeAlias, TypeVar
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
-from elockd.engine.deadlines import Deadlines
-from elockd.engine.sessions import WAITING, Hold, Session, Waiter
+from elockd.backend.state import TableDump, TableRestore
+from elockd.engine.bookkeeping import Bookkeeping, QueueFull, TooManyHolds
+from elockd.engine.sessions import Session
+
+# Re-exported: the engine's refusals are every backend's.
+__all__ = ["QueueFull", "TooManyHolds"]
 
 T = TypeVar("T")
-
-
-#: Why a session's plain holds were freed, as ``on_session_end`` hears it.
-ENDED_DISCONNECTED = "disconnected"
-ENDED_GRACE_EXPIRED = "grace expired"
-ENDED_SESSION_LIMIT = "session limit"
-
-
-class TooManyHolds(Exception):
-    """The session already has ``--max-holds`` holds; a new one would pass the limit."""
-
-
-class QueueFull(Exception):
-    """A key's queue already holds ``--max-waiters`` requests."""
 
 
 class BackendUnavailable(Exception):
@@ -62,6 +59,9 @@ class Grant:
     def __repr__(self) -> str:
         return f"Grant({self.granted}, {self.count}, {self.blocked})"
 
+
+#: What a backend may refuse a request with, in any family.
+REFUSALS = (TooManyHolds, QueueFull, BackendUnavailable)
 
 #: The two answers of an exclusive request that carry nothing more.
 GRANTED = Grant(True)
@@ -110,69 +110,57 @@ Result: TypeAlias = T | Later[T]
 Holders: TypeAlias = Iterator[tuple[bytes, bytes, bytes]]
 
 
-class Backend(Protocol):
-    """What the protocol layer, the deadline timer, ``q`` and /metrics need."""
+class Backend(ABC):
+    """The verbs a lock backend answers: what the protocol layer, the deadline
+    timer and the hand-over ask of it, and nothing else."""
 
-    # Tables, read as len() by `q` and /metrics.
-    @property
-    def sessions(self) -> Sized: ...
-    @property
-    def exclusive(self) -> Sized: ...
-    @property
-    def shared(self) -> Sized: ...
-
-    # Counters, kept on the way (a scrape costs O(1)).
-    orphans: int
-    shared_orphans: int
-    expired: int
-    timeouts: int
-    leases: int
-    sessions_in_grace: int
+    #: Which tables a hand-over state carries: a successor must run the same kind.
+    kind: ClassVar[str]
 
     @property
-    def shared_holders(self) -> int: ...
-    @property
-    def waiting(self) -> int: ...
-
-    # Hooks (histograms, the deadline timer, the audit log).
-    on_new_deadline: Callable[[], None] | None
-    on_hold_end: Callable[[bool, float], None] | None
-    on_holds_end: Callable[[bool, list[float]], None] | None
-    on_wait_end: Callable[[bool, float], None] | None
-    on_session_end: Callable[[Session, int, int, str], None] | None
-
-    def extra_counters(self) -> dict[str, int]: ...
+    @abstractmethod
+    def books(self) -> Bookkeeping:
+        """Counters, table sizes and hooks: what `q` and /metrics read, and what the
+        server points at its histograms, timer and audit log."""
 
     # Sessions.
+    @abstractmethod
     def open_session(self, session_id: str, peer: bytes) -> Session: ...
+    @abstractmethod
     def disconnect(self, session: Session, now: float) -> None: ...
+    @abstractmethod
     def take_over(self, session_id: str, current: Session) -> Result[Session | None]:
         """``conn_id ID``: the session this connection now serves, or None."""
 
+    @abstractmethod
     def rename(self, session: Session, name: bytes | None) -> Result[None]:
         """``iam``: the name ``d``, ``sd`` and ``info`` show for its holds."""
 
-    # The terse family's one-key operations.
-    def acquire(self, session: Session, key: bytes, now: float) -> Result[bool]: ...
-    def release(self, session: Session, key: bytes, now: float) -> Result[bool]: ...
-    def is_locked(self, key: bytes) -> Result[bool]: ...
-    def share(self, session: Session, key: bytes, now: float) -> Result[int]:
-        """``sg``: a shared hold without a limit; the holders after it."""
+    # The terse family's one-key operations (``i`` and ``si`` ask ``info``, ``sg``
+    # asks ``lock_shared``).
+    @abstractmethod
+    def acquire(self, session: Session, key: bytes, now: float) -> Result[bool]:
+        """``g``: ``lock`` of one key, tried once, without a lease."""
 
+    @abstractmethod
+    def release(self, session: Session, key: bytes, now: float) -> Result[bool]: ...
+    @abstractmethod
     def release_shared(self, session: Session, key: bytes, now: float) -> Result[int | None]:
         """The holders left, or None when this session held none."""
 
-    def shared_count(self, key: bytes) -> Result[int]: ...
+    @abstractmethod
     def holders(self, shared: bool, key: bytes | None, *, ordered: bool = False) -> Result[Holders]:
         """Every hold of a table (``key`` None) or of one key; ``ordered``: keys in
         byte order (glockd's ``dump``)."""
 
     # The word family's requests.
+    @abstractmethod
     def lock(
         self, session: Session, keys: list[bytes], now: float, *, wait: float, ttl: float | None
     ) -> Result[Grant]:
         """Exclusive, all or nothing (several keys: ``mlock``); ``wait`` 0 tries once."""
 
+    @abstractmethod
     def lock_shared(
         self,
         session: Session,
@@ -182,132 +170,60 @@ class Backend(Protocol):
         limit: int | None,
         wait: float,
         ttl: float | None,
-    ) -> Result[Grant]: ...
+    ) -> Result[Grant]:
+        """Shared; ``limit`` None: no limit (``sg``), else at most that many holders."""
+
+    @abstractmethod
     def release_all(self, session: Session, now: float) -> Result[None]: ...
+    @abstractmethod
     def renew(self, session: Session, key: bytes, now: float, ttl: float) -> bool: ...
-    def token(self, session: Session, key: bytes) -> int | None: ...
+    def token(self, session: Session, key: bytes) -> int | None:
+        """The fencing token of the session's exclusive hold on ``key`` (None: it
+        holds none), as the session's own books have it."""
+        hold = session.exclusive.get(key)
+        return None if hold is None else hold.token
+
+    @abstractmethod
     def info(self, key: bytes, now: float) -> Result[KeyInfo]: ...
 
-    # The deadline timer.
+    # The deadline timer, and the backend's own work beside it.
+    @abstractmethod
     def next_deadline(self) -> float | None: ...
+    @abstractmethod
     def advance(self, now: float, budget: int | None = None) -> bool:
         """Run what is due by ``now`` (at most ``budget`` deadlines); True when more
         is due, so the timer lets other tasks run before it goes on."""
 
+    def background(self) -> Callable[..., Awaitable[None]] | None:
+        """The task the backend runs for as long as the server does (started with
+        ``nursery.start``), or None when it needs none."""
+        return None
+
     # A hand-over (docs/upgrade.md): the connections are parked and the timer is
-    # stopped; what else the backend runs on its own must stand still too.
+    # stopped; what else the backend runs on its own must stand still too. A
+    # backend that runs nothing on its own has nothing to do in these four.
     def freeze(self) -> None:
         """Stop changing the tables on the backend's own initiative."""
+        return None  # a backend that runs nothing on its own
 
     async def settle(self) -> None:
         """Return once work already under way that changes the tables has ended."""
+        return None  # a backend that runs nothing on its own
 
     def thaw(self) -> None:
         """The hand-over failed: go on as before."""
+        return None  # a backend that runs nothing on its own
 
     def hand_off(self) -> None:
         """The successor has the tables: change nothing outside this process again."""
+        return None  # a backend that runs nothing on its own
 
+    @abstractmethod
+    def dump(self, now: float, pending: Sequence[tuple[Session, Later[Any]]]) -> TableDump:
+        """The tables as hand-over records; ``pending``: the waiting requests parked
+        connections still have to answer, with their sessions."""
 
-def carries(deadline: float, target: Hold | Session | Waiter) -> bool:
-    """Whether a deadline-heap entry is current: its target still ends at
-    ``deadline`` (a renewed or freed lease, a granted or cancelled wait, a session
-    taken over or ended leaves a stale entry behind)."""
-    if isinstance(target, Hold):
-        return target.lease_deadline == deadline
-    if isinstance(target, Waiter):
-        return target.state == WAITING and target.deadline == deadline
-    return target.grace_deadline == deadline and not target.connected
-
-
-class Bookkeeping:
-    """What both backends keep the same way: the counters `q` reads, the hooks, the
-    hold limit, grace times, takeover adoption, lease deadlines, and what a hold's
-    end costs in lease counts and hold-time histograms."""
-
-    def __init__(self, *, max_holds: int = 10_000, max_waiters: int = 10_000) -> None:
-        self.max_holds = max_holds
-        self.max_waiters = max_waiters
-        self._deadlines: Deadlines[Hold | Session | Waiter] = Deadlines(carries)
-        self.on_new_deadline: Callable[[], None] | None = None
-        self.on_hold_end: Callable[[bool, float], None] | None = None
-        self.on_holds_end: Callable[[bool, list[float]], None] | None = None
-        self.on_wait_end: Callable[[bool, float], None] | None = None
-        # Hears of every session whose plain holds were freed because it ended (the
-        # audit trail of orphans): (session, exclusive, shared, why).
-        self.on_session_end: Callable[[Session, int, int, str], None] | None = None
-        self.orphans = 0
-        self.shared_orphans = 0
-        self.expired = 0
-        self.timeouts = 0
-        self.leases = 0
-        self.sessions_in_grace = 0
-
-    def extra_counters(self) -> dict[str, int]:
-        """Backend-specific `q` counters (none unless a backend adds some)."""
-        return {}
-
-    def check_hold_room(self, session: Session, new: int) -> None:
-        if len(session.exclusive) + len(session.shared) + new > self.max_holds:
-            raise TooManyHolds
-
-    # ----------------------------------------------------------- grace times
-
-    def start_grace(self, session: Session, now: float) -> None:
-        """The connection is gone and the session lives on for ``session.grace``."""
-        if session.grace_deadline is None:
-            self.sessions_in_grace += 1
-        session.grace_deadline = now + session.grace
-        self.schedule(session.grace_deadline, session)
-
-    def stop_grace(self, session: Session) -> None:
-        """The grace time is over or was cut short (a takeover); its heap entry goes
-        stale."""
-        if session.grace_deadline is not None:
-            self.sessions_in_grace -= 1
-        session.grace_deadline = None
-
-    def adopt(self, target: Session, current: Session) -> None:
-        """``conn_id``: ``current``'s connection now serves ``target``, which keeps
-        its holds and takes the connection's peer (and name, if it set one)."""
-        target.connected = True
-        self.stop_grace(target)
-        target.peer = current.peer
-        if current.name is not None:
-            target.name = current.name
-        current.connected = False
-
-    # ---------------------------------------------------------------- leases
-
-    def set_lease(self, hold: Hold, deadline: float) -> None:
-        """Make ``hold`` a lease ending at ``deadline`` (or move its end)."""
-        if hold.lease_deadline == deadline:
-            return  # its entry is in the heap already (renews pipelined in one tick)
-        if hold.lease_deadline is None:
-            self.leases += 1
-            hold.session.leases += 1
-        hold.lease_deadline = deadline
-        self.schedule(deadline, hold)
-
-    def end_lease(self, hold: Hold) -> None:
-        """The hold goes (freed, expired, let go): it is no lease any more."""
-        if hold.lease_deadline is not None:
-            hold.lease_deadline = None  # its heap entry goes stale
-            self.leases -= 1
-            hold.session.leases -= 1
-
-    def hold_ended(self, hold: Hold, now: float) -> None:
-        """Account for a hold that is gone: lease counts and the hold-time hook."""
-        self.end_lease(hold)
-        if self.on_hold_end is not None:
-            self.on_hold_end(hold.shared, now - hold.granted_at)
-
-    # ------------------------------------------------------------- deadlines
-
-    def schedule(self, deadline: float, target: Hold | Session | Waiter) -> None:
-        if self._deadlines.add(deadline, target) and self.on_new_deadline is not None:
-            self.on_new_deadline()
-
-    def next_deadline(self) -> float | None:
-        """The earliest deadline in the heap (possibly a stale entry's), or None."""
-        return self._deadlines.next()
+    @abstractmethod
+    def restore(self, now: float) -> TableRestore:
+        """Takes a predecessor's records into this fresh backend (one with no
+        sessions yet, else :class:`~elockd.backend.state.StateError`)."""

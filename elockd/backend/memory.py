@@ -11,11 +11,23 @@ on the grant or on the timeout (the engine keeps every deadline).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import trio
 
-from elockd.backend.interface import GRANTED, REFUSED, Grant, Holders, KeyInfo, Later, Result
+from elockd.backend.interface import (
+    GRANTED,
+    REFUSED,
+    Backend,
+    Grant,
+    Holders,
+    KeyInfo,
+    Later,
+    Result,
+)
+from elockd.backend.memory_state import MemoryDump, MemoryRestore
+from elockd.engine.bookkeeping import Sizes
 from elockd.engine.locks import LockEngine
 from elockd.engine.sessions import Hold, Session, Waiter
 
@@ -31,8 +43,24 @@ class Wait(Later[Grant]):
         self.waiter = waiter
 
 
-class MemoryBackend(LockEngine):
-    """Every lock in this process's memory; see :class:`~elockd.engine.locks.LockEngine`."""
+class MemoryBackend(LockEngine, Backend):
+    """Every lock in this process's memory; see :class:`~elockd.engine.locks.LockEngine`.
+    The engine keeps its own books: it is its :class:`~elockd.engine.bookkeeping.Bookkeeping`."""
+
+    kind = "memory"
+
+    @property
+    def books(self) -> MemoryBackend:
+        return self
+
+    def sizes(self) -> Sizes:
+        return Sizes(
+            len(self.sessions),
+            len(self.exclusive),
+            len(self.shared),
+            self.shared_holders,
+            self.waiting,
+        )
 
     # ------------------------------------------------------------- sessions
 
@@ -40,12 +68,6 @@ class MemoryBackend(LockEngine):
         session.name = name  # holds show session.owner, read when they are shown
 
     # ------------------------------------------------------------ the terse family
-
-    def is_locked(self, key: bytes) -> bool:
-        return key in self.exclusive
-
-    def share(self, session: Session, key: bytes, now: float) -> int:
-        return self.acquire_shared(session, key, now)[1]
 
     def holders(self, shared: bool, key: bytes | None, *, ordered: bool = False) -> Holders:
         """Weakly consistent, as Redis's SCAN: the keys are a snapshot of the table
@@ -94,10 +116,6 @@ class MemoryBackend(LockEngine):
             return Grant(True, result)
         return self.later_for(result)
 
-    def token(self, session: Session, key: bytes) -> int | None:
-        hold = session.exclusive.get(key)
-        return None if hold is None else hold.token
-
     def info(self, key: bytes, now: float) -> KeyInfo:
         hold: Hold | None = self.exclusive.get(key)
         found = KeyInfo(shared=self.shared_count(key), waiting=self.waiting_for(key))
@@ -108,21 +126,18 @@ class MemoryBackend(LockEngine):
                 found.ttl = max(0.0, hold.lease_deadline - now)
         return found
 
+    # -------------------------------------------- hand-over (docs/upgrade.md)
+    # Once the connections are parked and the timer stopped, nothing else changes
+    # these tables, and nothing of them lives outside this process: freeze, settle,
+    # thaw and hand_off have nothing to do.
+
+    def dump(self, now: float, pending: Sequence[tuple[Session, Any]]) -> MemoryDump:
+        return MemoryDump(self, now, pending)
+
+    def restore(self, now: float) -> MemoryRestore:
+        return MemoryRestore(self, now)
+
     # ---------------------------------------------------------------- waiting
-
-    # A hand-over: once the connections are parked and the timer stopped, nothing
-    # else changes these tables, and nothing of them lives outside this process.
-    def freeze(self) -> None:
-        pass
-
-    async def settle(self) -> None:
-        pass
-
-    def thaw(self) -> None:
-        pass
-
-    def hand_off(self) -> None:
-        pass
 
     def later_for(self, waiter: Waiter) -> Wait:
         """The reply-later of a request waiting as ``waiter`` (also for a waiter

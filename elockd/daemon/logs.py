@@ -44,9 +44,9 @@ from urllib.parse import urlsplit, urlunsplit
 import structlog
 
 from elockd import __version__
-from elockd.backend.interface import ENDED_SESSION_LIMIT
 from elockd.daemon.config import Config
 from elockd.daemon.logthrottle import LogThrottle
+from elockd.engine.bookkeeping import ENDED_SESSION_LIMIT
 from elockd.engine.sessions import Session
 
 log = logging.getLogger("elockd")

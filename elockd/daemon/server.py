@@ -83,7 +83,7 @@ class DeadlineTimer:
     def __init__(self, engine: Backend) -> None:
         self.engine = engine
         self._changed = trio.Event()
-        engine.on_new_deadline = self._poke
+        engine.books.on_new_deadline = self._poke
 
     def _poke(self) -> None:
         self._changed.set()
@@ -356,10 +356,8 @@ def make_service(config: Config) -> Service:
     """The backend and service the server runs: in memory, or a cluster node."""
     token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
     backend: Backend = make_cluster_backend(config) if config.etcd else make_memory_backend(config)
-    backend.on_session_end = log_session_end
+    backend.books.on_session_end = log_session_end
     service = Service(config, backend, COMMANDS, token)
-    background = getattr(backend, "run", None)
-    service.background = background
     if log.isEnabledFor(logging.DEBUG):  # the plain command table costs nothing
         trace_requests(service)
     return service
@@ -512,8 +510,9 @@ async def serve(
     handed_over = False
     try:
         async with trio.open_nursery() as nursery:
-            if service.background is not None:
-                await nursery.start(service.background)
+            background = service.backend.background()
+            if background is not None:
+                await nursery.start(background)
             nursery.start_soon(closer.run)
             # One limit for every listener, WebSocket sessions on the HTTP port too.
             slots = ConnectionSlots(config.max_connections)

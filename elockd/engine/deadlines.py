@@ -75,6 +75,17 @@ class Deadlines(Generic[T]):
         self._heap = kept  # sorted, hence a heap already
         self._compact_at = max(COMPACT_FLOOR, 2 * len(self._heap))
 
+    def set_order(self) -> dict[T, int]:
+        """When each target's current deadline was set, as its entry's tie-break
+        count (the first live entry of a target is the one that runs). One pass over
+        the heap, no sort: a hand-over sets the deadlines again in this order."""
+        is_current = self.is_current
+        order: dict[T, int] = {}
+        for deadline, tiebreak, target in self._heap:
+            if is_current(deadline, target) and tiebreak < order.get(target, tiebreak + 1):
+                order[target] = tiebreak
+        return order
+
     def next(self) -> float | None:
         """The earliest deadline (possibly a stale entry's), or None."""
         return self._heap[0][0] if self._heap else None

@@ -52,7 +52,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 
-from elockd.backend.interface import (
+from elockd.engine.bookkeeping import (
     ENDED_DISCONNECTED,
     ENDED_GRACE_EXPIRED,
     ENDED_SESSION_LIMIT,

@@ -7,8 +7,8 @@ The conversation on the control socket, after the successor connects:
    accepting and stops its deadline timer (a cluster node also freezes its etcd
    work and waits for what is under way), so the tables stand still.
 3. old -> new ``header`` with the listening sockets, then the state records
-   (:mod:`elockd.handover.records`, with the backend's own tables from
-   :mod:`elockd.handover.state` or :mod:`elockd.handover.cluster_state`), each
+   (:mod:`elockd.handover.state`, with the backend's own tables from its
+   ``dump``), each
    connection with its socket, then ``end``.
 4. new: rebuilds everything without serving yet, then -> old ``ready``.
 5. old -> new ``go`` (it will never serve again) or ``aborted`` (it serves on).
@@ -35,19 +35,10 @@ from typing import Any
 
 import trio
 
-from elockd.backend.memory import MemoryBackend
 from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
 from elockd.handover.pause import Parked
-from elockd.handover.records import (
-    FORMAT,
-    READABLE,
-    VERSION,
-    ConnectionState,
-    Dump,
-    StateError,
-    StateReader,
-)
-from elockd.handover.state import Restorer, dump_state
+from elockd.handover.records import FORMAT, READABLE, VERSION, ConnectionState
+from elockd.handover.state import Restorer, StateError, dump_state
 from elockd.net.tcp_silence import keepalive_bound
 from elockd.net.transport import Closer, SocketTransport
 from elockd.net.unix_socket import open_unix_socket
@@ -210,7 +201,7 @@ class Giver:
                 "paused_at": started,
                 "dumped_at": time.monotonic(),
                 "listeners": kinds,
-                "backend": backend_kind(self.service),
+                "backend": self.service.backend.kind,
             },
             fds[:MAX_FDS_PER_MESSAGE],
         )
@@ -224,8 +215,7 @@ class Giver:
                 connections.append(ConnectionState(parked, None))
         now = trio.current_time()
         sent = 0
-        dump, _ = tables(backend_kind(self.service))
-        for record in dump(self.service, connections, now):
+        for record in dump_state(self.service, connections, now):
             fds = []
             if record["t"] == "connections":
                 # Their rows come in the list's order; each movable one brings its socket.
@@ -236,20 +226,6 @@ class Giver:
                         fds.append(transport.sock.fileno())
                 sent += len(record["rows"])
             await channel.send(record, fds)
-
-
-def backend_kind(service: Service) -> str:
-    """Which tables a state carries: a successor must run the same backend."""
-    return "memory" if isinstance(service.backend, MemoryBackend) else "etcd"
-
-
-def tables(kind: str) -> tuple[Dump, Callable[[Service, float], StateReader]]:
-    """How the tables of a backend kind are written and read back."""
-    if kind == "etcd":
-        from elockd.handover.cluster_state import ClusterRestorer, dump_cluster  # only a node
-
-        return dump_cluster, ClusterRestorer
-    return dump_state, Restorer
 
 
 async def _try_send(channel: Channel, message: dict[str, Any]) -> None:
@@ -333,15 +309,14 @@ async def _receive_everything(
                 "the old process serves on"
             )
         listeners = _listeners(header["listeners"], fds, service)
-        theirs, ours = header.get("backend", "memory"), backend_kind(service)
+        theirs, ours = header.get("backend", "memory"), service.backend.kind
         if theirs != ours:
             how = {"etcd": "with --etcd", "memory": "without --etcd"}
             raise StateError(
                 f"the old process runs {how.get(theirs, theirs)}, this one {how[ours]}"
             )
         elapsed = time.monotonic() - float(header["dumped_at"])
-        _, reader = tables(ours)
-        restorer = reader(service, trio.current_time() - elapsed)
+        restorer = Restorer(service, trio.current_time() - elapsed)
         transports: dict[int, SocketTransport] = {}
         send_timeout = service.config.send_timeout
         bound = keepalive_bound(service.config.keepalive)

@@ -1,21 +1,22 @@
 """What every hand-over state has, whichever backend's tables it carries.
 
-The stream's framing (record kinds, batches, bytes as latin-1 text), the service's
-own counters and histograms, and the parked connections: each with its socket's
-place among the descriptors sent along, its session, its reader, its backlog of
-requests and the waiting request it still has to answer. The tables themselves are
-the backend's: :mod:`.state` for the in-memory engine, :mod:`.cluster_state` for a
-cluster node's books.
+The stream's version, the service's own counters and histograms, and the parked
+connections: each with its socket's place among the descriptors sent along, its
+session, its reader, its backlog of requests and the waiting request it still has
+to answer. The record format (record kinds, batches, bytes as latin-1 text) and
+the tables are the backend's: :mod:`elockd.backend.state`, and each backend's
+``dump`` and ``restore`` (:mod:`elockd.backend.memory_state` for the in-memory
+engine, :mod:`elockd.backend.cluster.state` for a cluster node's books).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from elockd.backend.interface import Later
+from elockd.backend.state import Record, StateError, raw, text
 from elockd.engine.sessions import Session
 from elockd.handover.pause import Backlog, Parked
 from elockd.net.transport import Transport
@@ -33,114 +34,9 @@ FORMAT = "elockd-state"
 VERSION = 2
 READABLE = (1, 2)
 
-#: Rows per record: a record stays well under a megabyte even with long keys.
-BATCH = 2000
 #: Connections per record: each brings its socket, and one message carries at most
 #: 253 descriptors (SCM_MAX_FD).
 CONNECTIONS_BATCH = 250
-
-Record = dict[str, Any]
-
-
-class StateError(Exception):
-    """The stream is not a state this code can adopt (the message says why)."""
-
-
-def text(data: bytes) -> str:
-    return data.decode("latin-1")
-
-
-def raw(data: str) -> bytes:
-    return data.encode("latin-1")
-
-
-def time_left(deadline: float | None, now: float) -> float | None:
-    """A deadline as a duration: each process has its own clock (None: no deadline)."""
-    return None if deadline is None or deadline == math.inf else deadline - now
-
-
-#: Fields every backend's session row starts with (see :func:`session_row`).
-SESSION_FIELDS = 6
-S = TypeVar("S", bound=Session)
-
-
-def session_row(session: Session, now: float) -> list[Any]:
-    """What every backend keeps of a session: id, peer, name, grace, whether
-    connected, and the grace time left (None: not in grace). A backend adds its own
-    fields after these."""
-    name = None if session.name is None else text(session.name)
-    return [
-        session.id,
-        text(session.peer),
-        name,
-        session.grace,
-        session.connected,
-        time_left(session.grace_deadline, now),
-    ]
-
-
-def restored_session(kind: type[S], row: Sequence[Any], now: float) -> tuple[S, float | None]:
-    """A session of ``kind`` from a row's first :data:`SESSION_FIELDS`, and when its
-    grace ends on this clock (None: not in grace)."""
-    session_id, peer, name, grace, connected, grace_left = row[:SESSION_FIELDS]
-    session = kind(session_id, raw(peer))
-    session.name = None if name is None else raw(name)
-    session.grace = grace
-    session.connected = connected
-    return session, None if grace_left is None else now + grace_left
-
-
-def batches(kind: str, rows: Iterator[list[Any]]) -> Iterator[Record]:
-    batch: list[list[Any]] = []
-    for row in rows:
-        batch.append(row)
-        if len(batch) >= BATCH:
-            yield {"t": kind, "rows": batch}
-            batch = []
-    if batch:
-        yield {"t": kind, "rows": batch}
-
-
-class StateReader:
-    """What reads a state, record by record, whichever backend's tables it rebuilds:
-    :meth:`feed` hands each record to the method named after its kind (``_sessions``
-    for ``{"t": "sessions"}``); the connection records are kept for
-    :meth:`connections`, which the backend's reader defines."""
-
-    def __init__(self, service: Service, now: float) -> None:
-        self.service = service
-        self.now = now
-        self.records: list[Record] = []  # the connection records, for connections()
-        self.ended = False
-
-    def feed(self, record: Record) -> None:
-        kind = record.get("t")
-        handler = getattr(self, f"_{kind}", None)
-        if handler is None or self.ended:
-            raise StateError(f"unexpected record {kind!r}")
-        handler(record)
-
-    def _connections(self, record: Record) -> None:
-        self.records.extend(record["rows"])
-
-    def _end(self, record: Record) -> None:
-        self.ended = True
-
-    def connections(self, transports: dict[int, Transport]) -> list[Parked]:
-        """The connections to serve on, one per socket in ``transports``."""
-        raise NotImplementedError
-
-    def counts(self) -> tuple[int, int]:
-        """Sessions and holds taken over, for the log line."""
-        raise NotImplementedError
-
-
-class Dump(Protocol):
-    """Writes a backend's whole state, in the order its :class:`StateReader` reads."""
-
-    def __call__(
-        self, service: Service, connections: list[ConnectionState], now: float
-    ) -> Iterator[Record]: ...
 
 
 # ------------------------------------------------------------------ the service
@@ -211,6 +107,7 @@ def connection_records(
         if backlog.pending is not None and conn is not None:
             ref = pending_ref(backlog.pending, conn.session)
             pending = [ref, finish_names[backlog.pending.finish]]
+        partial, discarding = reader.unread()
         rows.append(
             {
                 "fd": state.fd,
@@ -220,8 +117,8 @@ def connection_records(
                 "named": None if conn is None else named.get(conn),
                 "pending": pending,
                 "lines": [None if line is None else text(line) for line in backlog.remaining()],
-                "partial": text(bytes(reader._partial)),
-                "discarding": reader._discarding,
+                "partial": text(partial),
+                "discarding": discarding,
                 "read_ahead": text(getattr(parked.transport, "read_ahead", b"")),
                 # Replies it owes a client that was not reading when the pause came:
                 # they go out before anything else.
@@ -266,8 +163,7 @@ def rebuild_connections(
                 ref, reply = record["pending"]
                 backlog.pending = Outcome(pending_later(ref), WAIT_REPLIES[reply], WORD, peer)
         reader = LineReader(service.config.max_line)
-        reader._partial = bytearray(raw(record["partial"]))
-        reader._discarding = record["discarding"]
+        reader.resume(raw(record["partial"]), record["discarding"])
         transport = transports[fd]
         transport.read_ahead = raw(record["read_ahead"])  # type: ignore[attr-defined]
         if record.get("unsent"):  # none in a version-1 state

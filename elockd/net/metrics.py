@@ -76,7 +76,8 @@ class ElockdCollector(Collector):
         return []
 
     def collect(self) -> Iterable[Metric]:
-        engine = self.service.backend
+        books = self.service.backend.books
+        sizes = books.sizes()
         counters = self.service.counters
         timings = self.service.timings
 
@@ -87,44 +88,44 @@ class ElockdCollector(Collector):
         yield GaugeMetricFamily(
             "elockd_sessions",
             "Sessions tracked, with or without a connection (q: sessions).",
-            value=len(engine.sessions),
+            value=sizes.sessions,
         )
         yield GaugeMetricFamily(
             "elockd_sessions_in_grace",
             "Sessions whose connection dropped and whose grace time (set_timeout) runs.",
-            value=engine.sessions_in_grace,
+            value=books.sessions_in_grace,
         )
         keys = GaugeMetricFamily(
             "elockd_keys",
             "Keys held now, per table (q: locks, shared_locks).",
             labels=["kind"],
         )
-        keys.add_metric(["exclusive"], len(engine.exclusive))
-        keys.add_metric(["shared"], len(engine.shared))
+        keys.add_metric(["exclusive"], sizes.locks)
+        keys.add_metric(["shared"], sizes.shared_locks)
         yield keys
         holders = GaugeMetricFamily(
             "elockd_holders",
             "Holds now, per table: one per key for exclusive, every holder for shared.",
             labels=["kind"],
         )
-        holders.add_metric(["exclusive"], len(engine.exclusive))
-        holders.add_metric(["shared"], engine.shared_holders)
+        holders.add_metric(["exclusive"], sizes.locks)
+        holders.add_metric(["shared"], sizes.shared_holders)
         yield holders
         yield GaugeMetricFamily(
-            "elockd_waiters", "Requests waiting for a grant now (q: waiting).", value=engine.waiting
+            "elockd_waiters", "Requests waiting for a grant now (q: waiting).", value=sizes.waiting
         )
         yield GaugeMetricFamily(
-            "elockd_leases", "Holds that carry a lease (ttl) now (q: leases).", value=engine.leases
+            "elockd_leases", "Holds that carry a lease (ttl) now (q: leases).", value=books.leases
         )
         yield CounterMetricFamily(
             "elockd_leases_expired",
             "Leases freed at their deadline (q: expired).",
-            value=engine.expired,
+            value=books.expired,
         )
         yield CounterMetricFamily(
             "elockd_wait_timeouts",
             "Waits that ended without a grant: 409 replies (q: timeouts).",
-            value=engine.timeouts,
+            value=books.timeouts,
         )
         orphans = CounterMetricFamily(
             "elockd_orphans",
@@ -132,8 +133,8 @@ class ElockdCollector(Collector):
             "(q: orphans, shared_orphans).",
             labels=["kind"],
         )
-        orphans.add_metric(["exclusive"], engine.orphans)
-        orphans.add_metric(["shared"], engine.shared_orphans)
+        orphans.add_metric(["exclusive"], books.orphans)
+        orphans.add_metric(["shared"], books.shared_orphans)
         yield orphans
         yield CounterMetricFamily(
             "elockd_handovers",
@@ -164,7 +165,7 @@ class ElockdCollector(Collector):
             "How long holds lasted, from grant to release, disconnect or expiry.",
             timings.hold,
         )
-        for name, value in engine.extra_counters().items():
+        for name, value in books.extra_counters().items():
             kind, metric, documentation = EXTRA_METRICS[name]
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(metric, documentation, value=value)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from elockd.backend.interface import (
+    REFUSALS,
     Backend,
-    BackendUnavailable,
     Later,
     QueueFull,
     Result,
@@ -98,8 +98,6 @@ WORD = Family(
     too_many_waiters=b"413 Too Many Waiters\r\n",
     unavailable=b"409 Backend Unavailable\r\n",
 )
-#: What the backend may refuse a request with, in any family.
-REFUSALS = (TooManyHolds, QueueFull, BackendUnavailable)
 
 
 class Streamed:
@@ -255,7 +253,6 @@ class Service:
         self.commands = commands
         # Runs beside the listeners for the server's lifetime (the cluster's watch
         # and keepalives), started before the first connection is accepted.
-        self.background: Callable[..., Awaitable[None]] | None = None
         self.replies: TerseReplies = STYLES[config.replies]
         self.counters = Counters(list(self.commands))
         # Wait and hold times for /metrics; the backend feeds them only once a
@@ -278,15 +275,15 @@ class Service:
     def feed_timings(self) -> None:
         """Point the backend's wait and hold hooks at :attr:`timings` (unless the
         caller wired its own)."""
-        backend = self.backend
-        if backend.on_wait_end is None:
-            backend.on_wait_end = self.timings.wait_ended
-        if backend.on_hold_end is None:
-            backend.on_hold_end = self.timings.hold_ended
-            backend.on_holds_end = self.timings.holds_ended
+        books = self.backend.books
+        if books.on_wait_end is None:
+            books.on_wait_end = self.timings.wait_ended
+        if books.on_hold_end is None:
+            books.on_hold_end = self.timings.hold_ended
+            books.on_holds_end = self.timings.holds_ended
 
     def snapshot(self) -> dict[str, int]:
-        return snapshot(self.backend, self.counters)
+        return snapshot(self.backend.books, self.counters)
 
     def new_session_id(self) -> str:
         """128 random bits from the OS CSPRNG: a session id is a bearer secret."""

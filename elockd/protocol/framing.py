@@ -32,6 +32,16 @@ class LineReader:
         """Bytes held back for an incomplete line (never above ``max_line + 1``)."""
         return len(self._partial)
 
+    def unread(self) -> tuple[bytes, bool]:
+        """What is held back (the start of a line) and whether it is the rest of an
+        over-long line being dropped: a hand-over moves both (docs/upgrade.md)."""
+        return bytes(self._partial), self._discarding
+
+    def resume(self, partial: bytes, discarding: bool) -> None:
+        """Go on where another reader stood (its :meth:`unread`)."""
+        self._partial = bytearray(partial)
+        self._discarding = discarding
+
     def _too_long(self, line: bytes | bytearray) -> bool:
         # The limit does not count a final "\r", so such a line may be one byte longer.
         size = len(line)

@@ -2,7 +2,8 @@
 
 The server keeps only what the engine cannot tell: per-verb request counts,
 invalid commands and live connections, as plain ints on the hot path. Everything
-else (keys, holders, orphans, leases, waiters) is read from the engine when asked,
+else (keys, holders, orphans, leases, waiters) is read from the backend's books
+(:class:`~elockd.engine.bookkeeping.Bookkeeping`) when asked,
 so no number is kept twice and a snapshot is always consistent.
 
 The wait-time and hold-time histograms (:class:`Timings`) are plain ints too, fed
@@ -16,7 +17,7 @@ from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from elockd.backend.interface import Backend
+    from elockd.engine.bookkeeping import Bookkeeping
 
 
 #: Verbs whose ``command_<verb>`` line `q` always prints, even at 0.
@@ -36,23 +37,24 @@ class Counters:
         self.handovers = 0
 
 
-def snapshot(engine: Backend, counters: Counters) -> dict[str, int]:
-    """Every `q` counter, sorted by name."""
+def snapshot(books: Bookkeeping, counters: Counters) -> dict[str, int]:
+    """Every `q` counter, sorted by name: the backend's from its books."""
+    sizes = books.sizes()
     values = {
         "connections": counters.connections,
-        "expired": engine.expired,
+        "expired": books.expired,
         "handovers": counters.handovers,
         "invalid_commands": counters.invalid_commands,
-        "leases": engine.leases,
-        "locks": len(engine.exclusive),
-        "orphans": engine.orphans,
-        "sessions": len(engine.sessions),
-        "shared_holders": engine.shared_holders,
-        "shared_locks": len(engine.shared),
-        "shared_orphans": engine.shared_orphans,
-        "timeouts": engine.timeouts,
-        "waiting": engine.waiting,
-        **engine.extra_counters(),
+        "leases": books.leases,
+        "locks": sizes.locks,
+        "orphans": books.orphans,
+        "sessions": sizes.sessions,
+        "shared_holders": sizes.shared_holders,
+        "shared_locks": sizes.shared_locks,
+        "shared_orphans": books.shared_orphans,
+        "timeouts": books.timeouts,
+        "waiting": sizes.waiting,
+        **books.extra_counters(),
     }
     for verb, count in counters.commands.items():
         if count or verb in ALWAYS_SHOWN_VERBS:

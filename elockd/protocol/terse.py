@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from elockd.backend.interface import Holders, Later
+from elockd.backend.interface import Holders, KeyInfo, Later
 from elockd.protocol.connection import TERSE, Outcome, Reply, Streamed, answer
 
 if TYPE_CHECKING:
@@ -55,21 +55,19 @@ def cmd_i(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
     replies = conn.replies
 
-    def reply(locked: bool) -> bytes:
-        return replies.locked(key) if locked else replies.not_locked(key)
+    def reply(found: KeyInfo) -> bytes:
+        return replies.locked(key) if found.owner is not None else replies.not_locked(key)
 
-    return answer(conn.backend.is_locked(key), reply, TERSE, conn.peer)
+    return answer(conn.backend.info(key, now), reply, TERSE, conn.peer)
 
 
 def cmd_sg(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
     replies = conn.replies
-    return answer(
-        conn.backend.share(conn.session, key, now),
-        lambda count: replies.shared_got(count, key),
-        TERSE,
-        conn.peer,
-    )
+    result = conn.backend.lock_shared(conn.session, key, now, limit=None, wait=0, ttl=None)
+    if isinstance(result, Later):
+        return Outcome(result, lambda grant: replies.shared_got(grant.count, key), TERSE, conn.peer)
+    return replies.shared_got(result.count, key)
 
 
 def cmd_sr(conn: Connection, rest: bytes, now: float) -> Reply:
@@ -88,10 +86,11 @@ def cmd_si(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest)
     replies = conn.replies
 
-    def reply(count: int) -> bytes:
+    def reply(found: KeyInfo) -> bytes:
+        count = found.shared
         return replies.shared_locked(count, key) if count else replies.shared_not_locked(key)
 
-    return answer(conn.backend.shared_count(key), reply, TERSE, conn.peer)
+    return answer(conn.backend.info(key, now), reply, TERSE, conn.peer)
 
 
 def cmd_q(conn: Connection, rest: bytes, now: float) -> Reply:

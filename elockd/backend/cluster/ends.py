@@ -24,9 +24,9 @@ from elockd.backend.cluster.lease import NodeLease
 from elockd.backend.cluster.ledger import ClusterHold, ClusterSession, Ledger
 from elockd.backend.cluster.mirror import QueueMirror
 from elockd.backend.cluster.records import SessionRecords
-from elockd.backend.interface import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED
 from elockd.daemon.logs import shown
 from elockd.daemon.logthrottle import LogThrottle
+from elockd.engine.bookkeeping import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED
 from elockd.engine.sessions import Session
 
 log = logging.getLogger("elockd.cluster")

@@ -17,13 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from elockd.backend.cluster.layout import SHARED
 from elockd.backend.cluster.tokens import fencing_token
-from elockd.backend.interface import Bookkeeping, Grant
+from elockd.backend.interface import Grant
+from elockd.engine.bookkeeping import Bookkeeping, Sizes
 from elockd.engine.sessions import Hold, Session
+
+if TYPE_CHECKING:
+    from elockd.backend.cluster.calls import EtcdCalls
+    from elockd.backend.cluster.mirror import QueueMirror
 
 
 class ClusterHold(Hold):
@@ -100,11 +106,17 @@ class ClusterAnswer:
 
 class Ledger(Bookkeeping):
     """This node's sessions (by id and by tag), the holds they have, and what
-    every backend keeps (:class:`~elockd.backend.interface.Bookkeeping`: counters, hooks, the
-    heap of lease and grace ends)."""
+    every backend keeps (:class:`~elockd.engine.bookkeeping.Bookkeeping`: counters,
+    hooks, the heap of lease and grace ends): the cluster backend's ``books``. The
+    lock tables' sizes are the mirror's (the cluster's, not this node's), and the
+    count of etcd calls that failed is the calls wrapper's."""
 
-    def __init__(self, max_holds: int, max_waiters: int = 10_000) -> None:
+    def __init__(
+        self, max_holds: int, max_waiters: int, mirror: QueueMirror, calls: EtcdCalls
+    ) -> None:
         super().__init__(max_holds=max_holds, max_waiters=max_waiters)
+        self.mirror = mirror
+        self.calls = calls
         self.token_floor = 0
         self.sessions: dict[str, ClusterSession] = {}
         self.by_tag: dict[int, ClusterSession] = {}
@@ -115,6 +127,24 @@ class Ledger(Bookkeeping):
         self.local_waiting = 0
         #: The waiting request of each session that has one, by session id.
         self.waits: dict[str, ClusterWait] = {}
+
+    def sizes(self) -> Sizes:
+        mirror = self.mirror
+        return Sizes(
+            len(self.sessions),
+            mirror.exclusive_locks(),
+            mirror.shared_locks(),
+            mirror.shared_holders(),
+            mirror.waiting(),
+        )
+
+    def extra_counters(self) -> dict[str, int]:
+        """`q` lines only a cluster node has."""
+        return {
+            "backend_unavailable": self.calls.backend_unavailable,
+            "local_waiting": self.local_waiting,
+            "sessions_lost": self.sessions_lost,
+        }
 
     # --------------------------------------------------------------- sessions
 

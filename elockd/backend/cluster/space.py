@@ -28,8 +28,8 @@ and values (:mod:`.layout`) and the mirror of the queues with the grant rule
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -43,9 +43,11 @@ from elockd.backend.cluster.mirror import QueueMirror
 from elockd.backend.cluster.node import ClusterNode
 from elockd.backend.cluster.recipe import LockRecipe
 from elockd.backend.cluster.records import SessionRecords
+from elockd.backend.cluster.state import ClusterDump, ClusterRestore, WaitingRequest
 from elockd.backend.cluster.takeover import Takeover
 from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import (
+    Backend,
     BackendUnavailable,
     Grant,
     Holders,
@@ -58,62 +60,13 @@ from elockd.engine.sessions import Session
 
 __all__ = ["ClusterHold", "ClusterLockSpace", "ClusterSession"]
 
-T = TypeVar("T")
 
-
-class _Counted:
-    """A stand-in with only a length, for the ``q`` counters read as ``len(...)``."""
-
-    def __init__(self, count: Callable[[], int]) -> None:
-        self._count = count
-
-    def __len__(self) -> int:
-        return self._count()
-
-
-class _InLedger(Generic[T]):
-    """An attribute of the façade kept in the node's books (:class:`Ledger`): a
-    counter ``q`` reads there, or a hook the server sets here and the books call."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, space: Any, owner: type | None = None) -> T:
-        return cast(T, getattr(space.ledger, self.name))
-
-    def __set__(self, space: Any, value: T) -> None:
-        setattr(space.ledger, self.name, value)
-
-
-class WaitingRequest(Later[Grant]):
-    """A waiting request, with its answer once it has one (see ``_waiting``)."""
-
-    __slots__ = ("answer",)
-
-    def __init__(self, run: Callable[[], Awaitable[Grant]]) -> None:
-        super().__init__(run, waits=True)
-        self.answer: ClusterAnswer | None = None
-
-
-class ClusterLockSpace:
+class ClusterLockSpace(Backend):
     """This node's view of the lock space in etcd, and its sessions: the backend
-    a cluster node's server runs on (see :class:`elockd.backend.interface.Backend`)."""
+    a cluster node's server runs on (see :class:`elockd.backend.interface.Backend`).
+    Its counters and hooks are in its books (:class:`Ledger`)."""
 
-    # What q and /metrics read, and the hooks the server sets: all in the books.
-    token_floor = _InLedger[int]()
-    orphans = _InLedger[int]()
-    shared_orphans = _InLedger[int]()
-    expired = _InLedger[int]()
-    timeouts = _InLedger[int]()
-    leases = _InLedger[int]()
-    sessions_in_grace = _InLedger[int]()
-    sessions_lost = _InLedger[int]()
-    local_waiting = _InLedger[int]()
-    on_new_deadline = _InLedger[Callable[[], None] | None]()
-    on_hold_end = _InLedger[Callable[[bool, float], None] | None]()
-    on_holds_end = _InLedger[Callable[[bool, list[float]], None] | None]()
-    on_wait_end = _InLedger[Callable[[bool, float], None] | None]()
-    on_session_end = _InLedger[Callable[[Session, int, int, str], None] | None]()
+    kind = "etcd"
 
     def __init__(
         self,
@@ -130,9 +83,9 @@ class ClusterLockSpace:
         self.max_waiters = max_waiters
         self.max_holds = max_holds
         self.node_id = node_id = secrets.token_hex(8)
-        self.ledger = ledger = Ledger(max_holds, max_waiters)
         self.calls = calls = EtcdCalls(client)
         self.mirror = mirror = QueueMirror(layout)
+        self.ledger = ledger = Ledger(max_holds, max_waiters, mirror, calls)
         # Each part is given the parts it uses. SessionLoss comes first: it needs
         # nothing of etcd, and the lease and the records tell it of a session lost
         # with the lease or moved to another node.
@@ -145,18 +98,26 @@ class ClusterLockSpace:
         mirror.on_other = records.record_changed
         self.recipe = LockRecipe(calls, ledger, layout, mirror, lease, records, max_waiters)
         self.node = ClusterNode(calls, ledger, layout, mirror, lease, records, ends, node_id)
-        self.sessions = ledger.sessions
-        # The cluster's lock counts, from the mirror.
-        self.exclusive = _Counted(mirror.exclusive_locks)
-        self.shared = _Counted(mirror.shared_locks)
 
-        # The operations the node's own tasks run (timer, watch, keepalives).
-        self.run = self.node.run
-        self.open_session = ledger.open_session
-        self.disconnect = ends.disconnect
-        self.next_deadline = ledger.next_deadline
-        self.advance = ends.advance
-        self.local_hold = ledger.local_hold
+    @property
+    def books(self) -> Ledger:
+        return self.ledger
+
+    def background(self) -> Callable[..., Awaitable[None]]:
+        """Join, then the watch, the heartbeat, the keepalives and the sweep."""
+        return self.node.run
+
+    def open_session(self, session_id: str, peer: bytes) -> Session:
+        return self.ledger.open_session(session_id, peer)
+
+    def disconnect(self, session: Session, now: float) -> None:
+        self.ends.disconnect(session, now)
+
+    def next_deadline(self) -> float | None:
+        return self.ledger.next_deadline()
+
+    def advance(self, now: float, budget: int | None = None) -> bool:
+        return self.ends.advance(now, budget)
 
     # ------------------------------------------------ the backend interface
     # Every answer needs etcd, so each comes later: a Later running the part's
@@ -173,10 +134,7 @@ class ClusterLockSpace:
 
     def acquire(self, session: Session, key: bytes, now: float) -> Later[bool]:
         async def run() -> bool:
-            grant = await self.recipe.acquire(
-                _ours(session), EXCLUSIVE, [key], limit=1, ttl=None, wait=0
-            )
-            return grant.granted
+            return (await self.lock(session, [key], now, wait=0, ttl=None).run()).granted
 
         return Later(run)
 
@@ -186,31 +144,10 @@ class ClusterLockSpace:
 
         return Later(run)
 
-    def is_locked(self, key: bytes) -> Later[bool]:
-        async def run() -> bool:
-            return next(await self.recipe.holders(EXCLUSIVE, key), None) is not None
-
-        return Later(run)
-
-    def share(self, session: Session, key: bytes, now: float) -> Later[int]:
-        async def run() -> int:
-            grant = await self.recipe.acquire(
-                _ours(session), SHARED, [key], limit=0, ttl=None, wait=0
-            )
-            return grant.count
-
-        return Later(run)
-
     def release_shared(self, session: Session, key: bytes, now: float) -> Later[int | None]:
         async def run() -> int | None:
             freed = await self.recipe.release(_ours(session), SHARED, key)
             return freed.count if freed.granted else None
-
-        return Later(run)
-
-    def shared_count(self, key: bytes) -> Later[int]:
-        async def run() -> int:
-            return sum(1 for _ in await self.recipe.holders(SHARED, key))
 
         return Later(run)
 
@@ -224,7 +161,7 @@ class ClusterLockSpace:
         def start() -> Awaitable[Grant]:
             return self.recipe.acquire(_ours(session), EXCLUSIVE, keys, limit=1, ttl=ttl, wait=wait)
 
-        return self._waiting(_ours(session), start) if wait > 0 else Later(start)
+        return self.waiting_request(_ours(session), start) if wait > 0 else Later(start)
 
     def lock_shared(
         self,
@@ -238,12 +175,12 @@ class ClusterLockSpace:
     ) -> Later[Grant]:
         def start() -> Awaitable[Grant]:
             return self.recipe.acquire(
-                _ours(session), SHARED, [key], limit=limit or 0, ttl=ttl, wait=wait
+                _ours(session), SHARED, [key], limit=_stored(limit), ttl=ttl, wait=wait
             )
 
-        return self._waiting(_ours(session), start) if wait > 0 else Later(start)
+        return self.waiting_request(_ours(session), start) if wait > 0 else Later(start)
 
-    def _waiting(
+    def waiting_request(
         self, session: ClusterSession, start: Callable[[], Awaitable[Grant]] | None
     ) -> WaitingRequest:
         """A request that waits for a grant, as a hand-over can stop and move it
@@ -273,15 +210,6 @@ class ClusterLockSpace:
         request = WaitingRequest(run)
         return request
 
-    def later_for(
-        self, session: ClusterSession, answer: ClusterAnswer | None = None
-    ) -> WaitingRequest:
-        """The reply-later of a waiting request taken over from a predecessor: its
-        answer if it had one, else its wait (suspended in the books)."""
-        request = self._waiting(session, None)
-        request.answer = answer
-        return request
-
     def release_all(self, session: Session, now: float) -> Later[None]:
         return Later(lambda: self.recipe.release_all(_ours(session)))
 
@@ -291,8 +219,7 @@ class ClusterLockSpace:
 
     def token(self, session: Session, key: bytes) -> int | None:
         self.lease.check_expiry()  # past it, the session's holds are gone
-        hold = session.exclusive.get(key)
-        return None if hold is None else hold.token
+        return super().token(session, key)
 
     def info(self, key: bytes, now: float) -> Later[KeyInfo]:
         async def run() -> KeyInfo:
@@ -337,25 +264,20 @@ class ClusterLockSpace:
         self.node.adopted_lease = heartbeat_lease
         self.node.adopted_sessions_lease = sessions_lease
 
+    def dump(self, now: float, pending: Sequence[tuple[Session, Any]]) -> ClusterDump:
+        return ClusterDump(self, now, pending)
+
+    def restore(self, now: float) -> ClusterRestore:
+        return ClusterRestore(self, now)
+
     @property
     def backend_unavailable(self) -> int:
         return self.calls.backend_unavailable
 
-    @property
-    def shared_holders(self) -> int:
-        return self.mirror.shared_holders()
 
-    @property
-    def waiting(self) -> int:
-        return self.mirror.waiting()
-
-    def extra_counters(self) -> dict[str, int]:
-        """`q` lines only a cluster node has."""
-        return {
-            "backend_unavailable": self.calls.backend_unavailable,
-            "local_waiting": self.ledger.local_waiting,
-            "sessions_lost": self.ledger.sessions_lost,
-        }
+def _stored(limit: int | None) -> int:
+    """A shared limit as etcd's entries store it: 0 is none (None at the interface)."""
+    return 0 if limit is None else limit
 
 
 def _ours(session: Session) -> ClusterSession:

@@ -12,143 +12,150 @@ sweep leaves to that node for a while.
 The successor keeps the node's leases alive from then on, so nothing in etcd
 changes hands.
 
-Pure, like :mod:`.state`: records in, records out, times as durations.
+Pure, like :mod:`elockd.backend.memory_state`: records in, records out, times as
+durations. The hand-over adds the service's counters and the parked connections.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from elockd.backend.cluster.layout import EXCLUSIVE, SHARED
 from elockd.backend.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, ClusterWait
-from elockd.backend.cluster.space import ClusterLockSpace, WaitingRequest
-from elockd.backend.interface import Grant
-from elockd.engine.sessions import Session
-from elockd.handover.pause import Parked
-from elockd.handover.records import (
+from elockd.backend.interface import REFUSALS, Grant, Later
+from elockd.backend.state import (
     SESSION_FIELDS,
-    ConnectionState,
     Record,
+    RecordReader,
     StateError,
-    StateReader,
     batches,
-    connection_records,
     raw,
-    rebuild_connections,
-    restore_service_counters,
     restored_session,
-    service_counters,
     session_row,
     text,
     time_left,
 )
-from elockd.net.transport import Transport
-from elockd.protocol import connection as protocol
-from elockd.protocol.connection import Outcome, Service
+from elockd.engine.sessions import Session
+
+if TYPE_CHECKING:
+    from elockd.backend.cluster.space import ClusterLockSpace
+
+
+class WaitingRequest(Later[Grant]):
+    """A waiting request, with its answer once it has one: a hand-over may pause its
+    connection before the reply goes out, and the answer moves with it
+    (:meth:`~elockd.backend.cluster.space.ClusterLockSpace.waiting_request`)."""
+
+    __slots__ = ("answer",)
+
+    def __init__(self, run: Callable[[], Awaitable[Grant]]) -> None:
+        super().__init__(run, waits=True)
+        self.answer: ClusterAnswer | None = None
+
 
 KINDS = {EXCLUSIVE: "x", SHARED: "s"}
 KIND_OF = {name: kind for kind, name in KINDS.items()}
 
 
-def dump_cluster(
-    service: Service, connections: list[ConnectionState], now: float
-) -> Iterator[Record]:
-    """The records of a cluster node's books, in the order :class:`ClusterRestorer`
-    reads them."""
-    space = service.backend
-    assert isinstance(space, ClusterLockSpace)
-    ledger = space.ledger
-    yield {
-        "t": "node",
-        "node_id": space.node_id,
-        "heartbeat_lease": space.node.heartbeat_lease,
-        "sessions_lease": space.lease.id,
-        "prefix": text(space.layout.root),
-        "session_ttl": space.session_ttl,
-        "backend_unavailable": space.calls.backend_unavailable,
-        "orphans": ledger.orphans,
-        "shared_orphans": ledger.shared_orphans,
-        "expired": ledger.expired,
-        "timeouts": ledger.timeouts,
-        "sessions_lost": ledger.sessions_lost,
-        # Tags of sessions another node took over: their entries are that node's to
-        # move, and the successor's sweep must leave them alone as this one would.
-        "moved_tags": [
-            [tag, until - now] for tag, until in ledger.moved_tags.items() if until > now
-        ],
-        **service_counters(service),
-    }
-    index: dict[Session, int] = {}
-    # A lost session is here only while its connection ends: the successor finds
-    # the node's lease gone and ends it the same way.
-    sessions = list(ledger.sessions.values())
+class ClusterDump:
+    """A node's books as records, in the order :class:`ClusterRestore` reads them."""
 
-    def session_rows() -> Iterator[list[Any]]:
-        for session in sessions:
-            index[session] = len(index)
-            yield [*session_row(session, now), session.tag, session.record_revision]
+    def __init__(
+        self, space: ClusterLockSpace, now: float, pending: Sequence[tuple[Session, Any]]
+    ) -> None:
+        self.space = space
+        self.now = now
+        self.pending = pending
+        self.places: dict[Session, int] = {}
+        self.waiting: set[str] = set()
 
-    yield from batches("cluster_sessions", session_rows())
-
-    def hold_rows() -> Iterator[list[Any]]:
-        for session in sessions:
-            for hold in ledger.holds(session):
-                yield [
-                    index[session],
-                    KINDS[SHARED if hold.shared else EXCLUSIVE],
-                    text(hold.key),
-                    hold.revision,
-                    hold.token,
-                    now - hold.granted_at,
-                    hold.ttl,
-                    time_left(hold.lease_deadline, now),
-                ]
-
-    yield from batches("cluster_holds", hold_rows())
-    waits = [w for w in ledger.waits.values() if w.session in index]
-    yield from batches(
-        "cluster_waits",
-        (
-            [
-                index[w.session],
-                KINDS[w.kind],
-                [text(k) for k in w.keys],
-                w.revision,
-                w.limit,
-                w.ttl,
-                w.deadline - now,
-                now - w.since,
-            ]
-            for w in waits
-        ),
-    )
-    # A connection's waiting request: its answer, if it got one before it could be
-    # sent, or else its session's one wait in the books.
-    answered: list[list[Any]] = []
-    for state in connections:
-        pending, conn = state.parked.backlog.pending, state.parked.conn
-        if pending is None or conn is None:
-            continue
-        request = pending.later
-        if isinstance(request, WaitingRequest) and request.answer is not None:
-            answered.append([index[conn.session], *_answer_row(request.answer)])
-    yield from batches("cluster_answers", iter(answered))
-    waiting = {w.session.id for w in waits}
-
-    def pending_ref(outcome: Outcome, session: Session) -> int:
-        request = outcome.later
-        if not isinstance(request, WaitingRequest) or (
-            request.answer is None and session.id not in waiting
+    def pending_ref(self, later: Any, session: Session) -> int:
+        if not isinstance(later, WaitingRequest) or (
+            later.answer is None and session.id not in self.waiting
         ):
             raise StateError("a waiting request without its wait in the books")
-        return index[session]
+        return self.places[session]
 
-    yield from connection_records(service, connections, index, pending_ref)
-    yield {"t": "end"}
+    def records(self) -> Iterator[Record]:
+        space, now, index = self.space, self.now, self.places
+        ledger = space.ledger
+        yield {
+            "t": "node",
+            "node_id": space.node_id,
+            "heartbeat_lease": space.node.heartbeat_lease,
+            "sessions_lease": space.lease.id,
+            "prefix": text(space.layout.root),
+            "session_ttl": space.session_ttl,
+            "backend_unavailable": space.calls.backend_unavailable,
+            "orphans": ledger.orphans,
+            "shared_orphans": ledger.shared_orphans,
+            "expired": ledger.expired,
+            "timeouts": ledger.timeouts,
+            "sessions_lost": ledger.sessions_lost,
+            # Tags of sessions another node took over: their entries are that node's
+            # to move, and the successor's sweep must leave them alone as this one
+            # would.
+            "moved_tags": [
+                [tag, until - now] for tag, until in ledger.moved_tags.items() if until > now
+            ],
+        }
+        # A lost session is here only while its connection ends: the successor finds
+        # the node's lease gone and ends it the same way.
+        sessions = list(ledger.sessions.values())
+
+        def session_rows() -> Iterator[list[Any]]:
+            for session in sessions:
+                index[session] = len(index)
+                yield [*session_row(session, now), session.tag, session.record_revision]
+
+        yield from batches("cluster_sessions", session_rows())
+
+        def hold_rows() -> Iterator[list[Any]]:
+            for session in sessions:
+                for hold in ledger.holds(session):
+                    yield [
+                        index[session],
+                        KINDS[SHARED if hold.shared else EXCLUSIVE],
+                        text(hold.key),
+                        hold.revision,
+                        hold.token,
+                        now - hold.granted_at,
+                        hold.ttl,
+                        time_left(hold.lease_deadline, now),
+                    ]
+
+        yield from batches("cluster_holds", hold_rows())
+        waits = [w for w in ledger.waits.values() if w.session in index]
+        yield from batches(
+            "cluster_waits",
+            (
+                [
+                    index[w.session],
+                    KINDS[w.kind],
+                    [text(k) for k in w.keys],
+                    w.revision,
+                    w.limit,
+                    w.ttl,
+                    w.deadline - now,
+                    now - w.since,
+                ]
+                for w in waits
+            ),
+        )
+        # A connection's waiting request: its answer, if it got one before it could
+        # be sent, or else its session's one wait in the books.
+        answered = [
+            [index[session], *_answer_row(request.answer)]
+            for session, request in self.pending
+            if isinstance(request, WaitingRequest) and request.answer is not None
+        ]
+        yield from batches("cluster_answers", iter(answered))
+        self.waiting = {w.session.id for w in waits}
 
 
-REFUSALS: dict[str, type[Exception]] = {kind.__name__: kind for kind in protocol.REFUSALS}
+#: The refusals a waiting request's answer can carry, by name.
+REFUSED_BY_NAME: dict[str, type[Exception]] = {kind.__name__: kind for kind in REFUSALS}
 
 
 def _answer_row(answer: ClusterAnswer) -> list[Any]:
@@ -161,7 +168,7 @@ def _answer_row(answer: ClusterAnswer) -> list[Any]:
 
 def _answer(row: list[Any]) -> ClusterAnswer:
     if row[0] == "refused":
-        kind = REFUSALS.get(row[1])
+        kind = REFUSED_BY_NAME.get(row[1])
         if kind is None:
             raise StateError(f"unknown refusal {row[1]!r}")
         return ClusterAnswer(refusal=kind(row[2]))
@@ -169,17 +176,14 @@ def _answer(row: list[Any]) -> ClusterAnswer:
     return ClusterAnswer(Grant(granted, count, [raw(k) for k in blocked]))
 
 
-class ClusterRestorer(StateReader):
+class ClusterRestore(RecordReader):
     """Rebuilds a predecessor's books into a fresh cluster node, record by record
-    (:meth:`feed`); :meth:`connections` then gives the connections to serve."""
+    (:meth:`feed`)."""
 
-    def __init__(self, service: Service, now: float) -> None:
-        space = service.backend
-        if not isinstance(space, ClusterLockSpace):
-            raise StateError("this elockd is not a cluster node (--etcd)")
+    def __init__(self, space: ClusterLockSpace, now: float) -> None:
         if space.ledger.sessions:
             raise StateError("the backend already has sessions")
-        super().__init__(service, now)
+        self.now = now
         self.space = space
         self.sessions: list[Session] = []
         self.answers: dict[int, ClusterAnswer] = {}  # by session place
@@ -211,7 +215,6 @@ class ClusterRestorer(StateReader):
         space.calls.backend_unavailable = record.get("backend_unavailable", 0)
         # Absent from an elockd before 2026-11-25: nothing to leave alone then.
         ledger.moved_tags = {tag: self.now + left for tag, left in record.get("moved_tags", [])}
-        restore_service_counters(self.service, record)
 
     def _cluster_sessions(self, record: Record) -> None:
         ledger, now = self.space.ledger, self.now
@@ -263,24 +266,18 @@ class ClusterRestorer(StateReader):
         assert isinstance(session, ClusterSession)
         return session
 
-    def connections(self, transports: dict[int, Transport]) -> list[Parked]:
-        """The connections to serve on; the sessions of connections whose socket
-        could not move are disconnected once the node has joined (their frees and
-        record writes go to etcd)."""
-        if not self.ended:
-            raise StateError("the state ended early")
-        space = self.space
-        served, gone = rebuild_connections(
-            self.service,
-            self.records,
-            transports,
-            self.sessions,
-            lambda ref: space.later_for(self._session(ref), self.answers.get(ref)),
-        )
+    def pending(self, ref: int) -> Any:
+        """A waiting request taken over: its answer if it had one, else its wait
+        (suspended in the books)."""
+        request = self.space.waiting_request(self._session(ref), None)
+        request.answer = self.answers.get(ref)
+        return request
+
+    def finish(self, gone: list[Session]) -> None:
+        """Their frees and record writes go to etcd once the node has joined."""
         for session in gone:
             assert isinstance(session, ClusterSession)
-            space.node.ended_at_join.append(session)
-        return served
+            self.space.node.ended_at_join.append(session)
 
     def counts(self) -> tuple[int, int]:
         return len(self.sessions), self.holds

@@ -1,0 +1,312 @@
+"""The in-memory engine's tables as a hand-over moves them (docs/upgrade.md).
+
+:class:`MemoryDump` walks the engine's tables and yields JSON-ready records a batch
+at a time, so the state is never built whole a second time; :class:`MemoryRestore`
+takes them in, in the same order, and rebuilds the tables in a fresh engine. The
+hand-over (:mod:`elockd.handover.records`) adds the service's counters and the
+parked connections around these records and never reads the engine itself: this
+module is the engine's own, the one place outside :mod:`elockd.engine.locks` that
+knows its queues and counters.
+
+Order is kept where the protocol shows it: the tables' key order (``d``), a shared
+key's holders, every queue (FIFO grants), the arrival serials that keep ``mlock``
+deadlock-free, and the order deadlines were set, which decides what runs first when
+two fall due at the same instant: a wait and the lease it waits for ending together
+time the waiter out, or grant it the key, by which came first; two leases ending
+together hand their keys to their waiters, and fencing tokens, in that order. The
+successor sets its deadlines again in this order, so the same one runs first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from elockd.backend.state import (
+    SESSION_FIELDS,
+    Record,
+    RecordReader,
+    StateError,
+    batches,
+    raw,
+    restored_session,
+    session_row,
+    text,
+    time_left,
+)
+from elockd.engine.sessions import WAITING, Hold, Session, Waiter
+
+if TYPE_CHECKING:
+    from elockd.backend.memory import MemoryBackend
+
+#: Holds per record (column by column, see _holds).
+HOLDS_BATCH = 5000
+
+
+Deadlined = Hold | Session | Waiter
+
+
+def _holds(
+    kind: str, holds: Iterator[Hold], now: float, index: dict[Session, int], order: dict[Any, int]
+) -> Iterator[Record]:
+    """Holds in table order, a column per field: a million of them decode several
+    times faster than as a million small rows (decoding bounds the pause). Keys are
+    joined with newlines, which no key holds (a request is a line)."""
+    while chunk := list(itertools.islice(holds, HOLDS_BATCH)):
+        record: Record = {
+            "t": kind,
+            "keys": b"\n".join([h.key for h in chunk]).decode("latin-1"),
+            "owners": [index[h.session] for h in chunk],
+            "ages": [now - h.granted_at for h in chunk],
+            # Sparse: [place in this record, time left, deadline order].
+            "leases": [
+                [place, h.lease_deadline - now, order.get(h)]
+                for place, h in enumerate(chunk)
+                if h.lease_deadline is not None
+            ],
+        }
+        if kind == "exclusive":
+            record["tokens"] = [h.token for h in chunk]
+        yield record
+
+
+class MemoryDump:
+    """The engine's records, in the order :class:`MemoryRestore` reads them."""
+
+    def __init__(
+        self, engine: MemoryBackend, now: float, pending: Sequence[tuple[Session, Any]]
+    ) -> None:
+        self.engine = engine
+        self.now = now
+        self.pending = pending
+        self.places: dict[Session, int] = {}
+        self.refs: dict[Waiter, int] = {}
+
+    def pending_ref(self, later: Any, session: Session) -> int:
+        return self.refs[later.waiter]
+
+    def records(self) -> Iterator[Record]:
+        engine, now, index = self.engine, self.now, self.places
+        yield {
+            "t": "engine",
+            "next_token": engine._next_token,
+            "orphans": engine.orphans,
+            "shared_orphans": engine.shared_orphans,
+            "expired": engine.expired,
+            "timeouts": engine.timeouts,
+        }
+        # The last field of each row with a deadline; the successor sorts by it,
+        # after the pause's critical part.
+        order = engine._deadlines.set_order()
+
+        def sessions() -> Iterator[list[Any]]:
+            for session in engine.sessions.values():
+                index[session] = len(index)
+                yield [*session_row(session, now), order.get(session)]
+
+        yield from batches("sessions", sessions())
+        yield from _holds("exclusive", iter(engine.exclusive.values()), now, index, order)
+        yield from _holds(
+            "shared",
+            (
+                h
+                for entry in engine.shared.values()
+                for h in ([entry] if isinstance(entry, Hold) else list(entry.values()))
+            ),
+            now,
+            index,
+            order,
+        )
+        # Every waiting request, and those a parked connection still has to answer.
+        waiters = {w for session in engine.sessions.values() for w in session.waiters}
+        waiters.update(later.waiter for _, later in self.pending)
+        refs = self.refs
+        ordered = sorted(waiters, key=lambda w: w.serial)
+        for waiter in ordered:
+            refs[waiter] = len(refs)
+        yield from batches(
+            "waiters",
+            (
+                [
+                    w.serial,
+                    index[w.session],
+                    [text(k) for k in w.keys],
+                    w.shared,
+                    w.limit,
+                    w.ttl,
+                    now - w.since,
+                    time_left(w.deadline, now) if w.state == WAITING else None,
+                    [text(k) for k in w.taken],
+                    w.missing,
+                    w.count,
+                    w.state,
+                    order.get(w) if w.state == WAITING else None,
+                ]
+                for w in ordered
+            ),
+        )
+        yield from batches(
+            "queues",
+            (
+                [table, text(key), [refs[w] for w in queue]]
+                for table, queues in (("x", engine._xqueues), ("s", engine._squeues))
+                for key, queue in queues.items()
+            ),
+        )
+        yield from batches("ending", ([index[session], why] for session, why in engine._ending))
+        # The next arrival serial (taking one from the counter costs nothing: serials
+        # only need to grow).
+        yield {"t": "engine_tail", "next_arrival": next(engine._arrivals)}
+
+
+class MemoryRestore(RecordReader):
+    """Rebuilds the tables into a fresh engine, record by record (:meth:`feed`)."""
+
+    def __init__(self, engine: MemoryBackend, now: float) -> None:
+        if engine.sessions:
+            raise StateError("the backend already has sessions")
+        self.now = now
+        self.engine = engine
+        self.sessions: list[Session] = []
+        self.waiters: list[Waiter] = []
+        # (order, deadline, target): set once every table is in, in the old order.
+        self.deadlines: list[tuple[int | None, float, Deadlined]] = []
+
+    # Each record kind, in stream order.
+
+    def _engine(self, record: Record) -> None:
+        engine = self.engine
+        engine._next_token = max(engine._next_token, int(record["next_token"]))
+        engine.orphans = record["orphans"]
+        engine.shared_orphans = record["shared_orphans"]
+        engine.expired = record["expired"]
+        engine.timeouts = record["timeouts"]
+
+    def _sessions(self, record: Record) -> None:
+        engine, now = self.engine, self.now
+        for row in record["rows"]:
+            session, grace_deadline = restored_session(Session, row, now)
+            (order,) = row[SESSION_FIELDS:]
+            engine.sessions[session.id] = session
+            if not session.connected:
+                engine.detached += 1
+            if grace_deadline is not None:
+                engine.sessions_in_grace += 1
+                session.grace_deadline = grace_deadline
+                self.deadlines.append((order, grace_deadline, session))
+            self.sessions.append(session)
+
+    def _columns(self, record: Record, *fields: str) -> tuple[list[bytes], list[list[Any]]]:
+        keys = raw(record["keys"]).split(b"\n")
+        columns = [record[field] for field in fields]
+        if any(len(column) != len(keys) for column in columns):
+            raise StateError(f"a {record['t']} record with columns of different lengths")
+        return keys, columns
+
+    def _leases(self, record: Record, holds: list[Hold]) -> None:
+        now = self.now
+        for place, left, order in record["leases"]:
+            self.deadlines.append((order, now + left, holds[place]))
+
+    def _exclusive(self, record: Record) -> None:
+        now, sessions, table = self.now, self.sessions, self.engine.exclusive
+        keys, (owners, tokens, ages) = self._columns(record, "owners", "tokens", "ages")
+        holds = []
+        for key, owner, token, age in zip(keys, owners, tokens, ages, strict=True):
+            session = sessions[owner]
+            hold = Hold(session, key, False, token, now - age)
+            table[key] = hold
+            session.exclusive[key] = hold
+            holds.append(hold)
+        self._leases(record, holds)
+
+    def _shared(self, record: Record) -> None:
+        engine, now, sessions, table = self.engine, self.now, self.sessions, self.engine.shared
+        keys, (owners, ages) = self._columns(record, "owners", "ages")
+        holds = []
+        for key, owner, age in zip(keys, owners, ages, strict=True):
+            session = sessions[owner]
+            hold = Hold(session, key, True, 0, now - age)
+            entry = table.get(key)
+            if entry is None:
+                table[key] = hold
+            elif isinstance(entry, Hold):
+                table[key] = {entry.session: entry, session: hold}
+            else:
+                entry[session] = hold
+            session.shared[key] = hold
+            holds.append(hold)
+        engine.shared_holders += len(holds)
+        self._leases(record, holds)
+
+    def _waiters(self, record: Record) -> None:
+        engine, now = self.engine, self.now
+        for row in record["rows"]:
+            *fields, order = row
+            serial, owner, keys, shared, limit, ttl, waited, left, taken, missing, count, state = (
+                fields
+            )
+            session = self.sessions[owner]
+            waiter = Waiter(
+                session,
+                tuple(raw(k) for k in keys),
+                shared=shared,
+                limit=limit,
+                ttl=ttl,
+                since=now - waited,
+            )
+            waiter.serial = serial
+            waiter.taken = [raw(k) for k in taken]
+            waiter.missing = missing
+            waiter.count = count
+            waiter.state = state
+            if state == WAITING:
+                session.waiters.add(waiter)
+                engine.waiting += 1
+                if left is not None:
+                    waiter.deadline = now + left
+                    self.deadlines.append((order, waiter.deadline, waiter))
+            self.waiters.append(waiter)
+
+    def _queues(self, record: Record) -> None:
+        engine = self.engine
+        for table, key, refs in record["rows"]:
+            queues = engine._xqueues if table == "x" else engine._squeues
+            queue = queues.setdefault(raw(key), OrderedDict())
+            for ref in refs:
+                queue[self.waiters[ref]] = None
+
+    def _ending(self, record: Record) -> None:
+        for owner, why in record["rows"]:
+            session = self.sessions[owner]
+            session.ending = True
+            self.engine._ending.append((session, why))
+
+    def _engine_tail(self, record: Record) -> None:
+        self.engine._arrivals = itertools.count(record["next_arrival"])
+        # Every deadline, in the order the old process set them (_deadline_order).
+        self.deadlines.sort(key=lambda entry: math.inf if entry[0] is None else entry[0])
+        for _, deadline, target in self.deadlines:
+            if isinstance(target, Hold):
+                self.engine.set_lease(target, deadline)
+            else:
+                self.engine.schedule(deadline, target)
+        self.deadlines = []
+        if self.engine._ending and self.engine.on_new_deadline is not None:
+            self.engine.on_new_deadline()
+
+    # ------------------------------------------------------------------ the end
+
+    def pending(self, ref: int) -> Any:
+        return self.engine.later_for(self.waiters[ref])
+
+    def finish(self, gone: list[Session]) -> None:
+        for session in gone:
+            self.engine.disconnect(session, self.now)
+
+    def counts(self) -> tuple[int, int]:
+        engine = self.engine
+        return len(engine.sessions), len(engine.exclusive) + engine.shared_holders
