@@ -13,7 +13,6 @@ import trio
 import trio.testing
 
 from elockd.daemon.config import Config
-from elockd.daemon.logthrottle import LogThrottle
 from elockd.daemon.server import (
     SpareDescriptor,
     accept_loop,
@@ -24,6 +23,7 @@ from elockd.daemon.server import (
 from elockd.net import accepting
 from elockd.net.accepting import IGNORABLE_ACCEPT_ERRNOS
 from elockd.net.serving import ConnectionSlots
+from elockd.observe.logthrottle import LogThrottle
 
 
 class FlakyListener(socket.socket):

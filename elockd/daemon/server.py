@@ -32,7 +32,7 @@ import trio
 from elockd.backend.interface import Backend
 from elockd.backend.memory import MemoryBackend
 from elockd.daemon.config import Config
-from elockd.daemon.logs import log_refusal, log_session_end, log_start, log_tls_failure
+from elockd.daemon.logs import log_start
 from elockd.daemon.notify import sd_notify
 from elockd.daemon.startup import (
     LOCK_PORT_HINT,
@@ -42,7 +42,6 @@ from elockd.daemon.startup import (
     blame_file,
     shown,
 )
-from elockd.daemon.tracing import trace_requests
 from elockd.handover.exchange import Giver, Listeners, TakenOver, open_control_socket, take_over
 from elockd.net import accepting
 from elockd.net.accepting import accept_pause
@@ -51,6 +50,8 @@ from elockd.net.serving import ConnectionSlots, peer_name, serve_connection
 from elockd.net.tcp_silence import keepalive_bound, keepalive_settings, set_user_timeout
 from elockd.net.transport import Closer, SocketTransport, StreamTransport
 from elockd.net.unix_socket import OwnedPath, UnixPeers, open_unix_socket
+from elockd.observe.logs import log_refusal, log_session_end, log_tls_failure
+from elockd.observe.tracing import trace_requests
 from elockd.protocol.commands import COMMANDS
 from elockd.protocol.connection import Service
 

@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from elockd.daemon.logs import log_connection_close, log_connection_open
 from elockd.handover.pause import Backlog, HandedOver, Interrupted, Parked
 from elockd.net.tcp_silence import LATE_REPLY
 from elockd.net.transport import Transport
+from elockd.observe.logs import log_connection_close, log_connection_open
 from elockd.protocol.connection import Connection, Delayed, Outcome, Reply, Service, Streamed
 from elockd.protocol.framing import LineReader
 

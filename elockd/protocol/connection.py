@@ -37,9 +37,9 @@ from elockd.backend.interface import (
     TooManyHolds,
 )
 from elockd.daemon.config import Config
-from elockd.daemon.logs import log_refusal
 from elockd.engine.sessions import Session
 from elockd.handover.pause import Pause
+from elockd.observe.logs import log_refusal
 from elockd.protocol.arguments import Args, BadRequest
 from elockd.protocol.replies import STYLES, TerseReplies
 from elockd.protocol.stats import Counters, Timings, snapshot

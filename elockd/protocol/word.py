@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from elockd.backend.interface import Grant, KeyInfo
-from elockd.daemon.logs import log_auth_failure, log_refusal
 from elockd.engine.sessions import Session
+from elockd.observe.logs import log_auth_failure, log_refusal
 from elockd.protocol.arguments import Args, BadRequest, parse_number, parse_seconds
 from elockd.protocol.connection import WORD, Delayed, Reply, answer
 from elockd.protocol.stats import render_stats

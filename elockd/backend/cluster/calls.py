@@ -22,7 +22,7 @@ import trio
 
 from elockd.backend.cluster.etcd.client import EtcdClient, EtcdError, EtcdUnavailable
 from elockd.backend.interface import BackendUnavailable
-from elockd.daemon.logthrottle import LogThrottle
+from elockd.observe.logthrottle import LogThrottle
 
 log = logging.getLogger("elockd.cluster")
 #: A node waiting for etcd at start-up says so every 10 s, not every retry.

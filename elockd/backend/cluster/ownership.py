@@ -59,9 +59,9 @@ from elockd.backend.cluster.layout import (
 from elockd.backend.cluster.ledger import ClusterHold, ClusterSession, Ledger
 from elockd.backend.cluster.mirror import ClusterWaiter, QueueMirror, granted_kvs
 from elockd.backend.interface import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED, BackendUnavailable
-from elockd.daemon.logs import shown
-from elockd.daemon.logthrottle import LogThrottle
 from elockd.engine.sessions import Session
+from elockd.observe.logs import shown
+from elockd.observe.logthrottle import LogThrottle
 
 log = logging.getLogger("elockd.cluster")
 #: Sessions are lost by the thousand when etcd fails, and a client can have its
