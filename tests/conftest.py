@@ -25,8 +25,8 @@ import trio
 import trio.testing
 import trustme
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
+from elockd.protocol.config import Config
 from elockd.protocol.connection import Service
 from tests.cluster_nodes import Nodes
 from tests.etcd_cluster import EtcdCluster

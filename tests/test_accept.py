@@ -12,7 +12,6 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import (
     SpareDescriptor,
     accept_loop,
@@ -24,6 +23,7 @@ from elockd.net import accepting
 from elockd.net.accepting import IGNORABLE_ACCEPT_ERRNOS
 from elockd.net.serving import ConnectionSlots
 from elockd.observe.logthrottle import LogThrottle
+from elockd.protocol.config import Config
 
 
 class FlakyListener(socket.socket):

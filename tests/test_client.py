@@ -43,8 +43,8 @@ from elockd.client.core import (
     printable,
     terse_answer,
 )
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
+from elockd.protocol.config import Config
 from tests.conftest import RunningServer
 from tests.foreign_service import foreign_service
 

@@ -28,13 +28,13 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elockd.daemon.config import Config
 from elockd.daemon.logs import configure_logging
 from elockd.daemon.server import make_service, serve
 from elockd.engine.sessions import Session
 from elockd.observe import logs
 from elockd.observe.logs import SESSION_END_BURST, escape
 from elockd.observe.logthrottle import LogThrottle
+from elockd.protocol.config import Config
 from tests.conftest import LineClient
 from tests.polling import eventually
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elockd.daemon.config import Config
+from elockd.protocol.config import Config
 from tests.conftest import LineClient, RunningServer
 from tests.polling import counted_stats, eventually, stats_showing
 

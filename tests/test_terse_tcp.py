@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import GC_THRESHOLDS, tune_garbage_collector
+from elockd.protocol.config import Config
 from tests.conftest import LineClient, RunningServer
 from tests.polling import counted_stats, eventually, stats_showing
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pytest
 import trio
 
-from elockd.daemon.config import Config
+from elockd.protocol.config import Config
 from tests.conftest import LineClient, RunningServer
 from tests.polling import eventually, stats_showing, until_waiting
 

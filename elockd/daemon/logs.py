@@ -35,8 +35,8 @@ from urllib.parse import urlsplit, urlunsplit
 import structlog
 
 from elockd import __version__
-from elockd.daemon.config import Config
 from elockd.observe.logs import escape
+from elockd.protocol.config import Config
 
 log = logging.getLogger("elockd")
 

@@ -31,7 +31,6 @@ import trio
 
 from elockd.backend.interface import Backend
 from elockd.backend.memory import MemoryBackend
-from elockd.daemon.config import Config
 from elockd.daemon.logs import log_start
 from elockd.daemon.notify import sd_notify
 from elockd.daemon.startup import (
@@ -46,14 +45,14 @@ from elockd.handover.exchange import Giver, Listeners, TakenOver, open_control_s
 from elockd.net import accepting
 from elockd.net.accepting import accept_pause
 from elockd.net.metrics import serve_metrics
-from elockd.net.serving import ConnectionSlots, peer_name, serve_connection
+from elockd.net.serving import ConnectionSlots, PausableService, peer_name, serve_connection
 from elockd.net.tcp_silence import keepalive_bound, keepalive_settings, set_user_timeout
 from elockd.net.transport import Closer, SocketTransport, StreamTransport
 from elockd.net.unix_socket import OwnedPath, UnixPeers, open_unix_socket
-from elockd.observe.logs import log_refusal, log_session_end, log_tls_failure
+from elockd.observe.logs import log_auth_failure, log_refusal, log_session_end, log_tls_failure
 from elockd.observe.tracing import trace_requests
 from elockd.protocol.commands import COMMANDS
-from elockd.protocol.connection import Service
+from elockd.protocol.config import Config
 
 log = logging.getLogger("elockd")
 
@@ -183,7 +182,7 @@ class SpareDescriptor:
 
 
 async def accept_loop(
-    service: Service,
+    service: PausableService,
     listener: socket.socket,
     nursery: trio.Nursery,
     tls: ssl.SSLContext | None = None,
@@ -266,7 +265,7 @@ def refuse(sock: socket.socket) -> None:
 
 
 async def serve_stream(
-    service: Service, stream: trio.abc.Stream, peer: bytes, *, counted: bool = False
+    service: PausableService, stream: trio.abc.Stream, peer: bytes, *, counted: bool = False
 ) -> None:
     """Serve a connection given as a trio Stream (TLS, tests); ``counted``: the accept
     loop counted it already."""
@@ -275,7 +274,7 @@ async def serve_stream(
 
 
 async def serve_tls(
-    service: Service, sock: socket.socket, context: ssl.SSLContext, peer: bytes
+    service: PausableService, sock: socket.socket, context: ssl.SSLContext, peer: bytes
 ) -> None:
     """Complete the TLS handshake within ``--handshake-timeout``, then serve."""
     stream = trio.SSLStream(
@@ -346,12 +345,14 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def make_service(config: Config) -> Service:
+def make_service(config: Config) -> PausableService:
     """The backend and service the server runs: in memory, or a cluster node."""
     token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
     backend: Backend = make_cluster_backend(config) if config.etcd else make_memory_backend(config)
     backend.on_session_end = log_session_end
-    service = Service(config, backend, COMMANDS, token)
+    service = PausableService(config, backend, COMMANDS, token)
+    service.reports.refusal = log_refusal
+    service.reports.auth_failure = log_auth_failure
     background = getattr(backend, "run", None)
     service.background = background
     if log.isEnabledFor(logging.DEBUG):  # the plain command table costs nothing
@@ -467,7 +468,7 @@ def unix_paths(listeners: Listeners) -> list[OwnedPath]:
 
 async def serve(
     config: Config,
-    service: Service | None = None,
+    service: PausableService | None = None,
     *,
     task_status: trio.TaskStatus[list[tuple[str, int] | str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:

@@ -25,7 +25,7 @@ from elockd.backend.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSes
 from elockd.backend.cluster.space import ClusterLockSpace, WaitingRequest
 from elockd.backend.interface import Grant
 from elockd.engine.sessions import Session
-from elockd.handover.pause import Parked
+from elockd.handover.parked import Parked
 from elockd.handover.records import (
     SESSION_FIELDS,
     ConnectionState,

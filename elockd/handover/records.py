@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from elockd.backend.interface import Later
 from elockd.engine.sessions import Session
-from elockd.handover.pause import Backlog, Parked
+from elockd.handover.parked import Backlog, Parked
 from elockd.net.transport import Transport
 from elockd.protocol.connection import WORD, Connection, Outcome, Service
 from elockd.protocol.framing import LineReader

@@ -26,7 +26,7 @@ from typing import Any
 
 from elockd.backend.memory import MemoryBackend
 from elockd.engine.sessions import WAITING, Hold, Session, Waiter
-from elockd.handover.pause import Parked
+from elockd.handover.parked import Parked
 from elockd.handover.records import (
     SESSION_FIELDS,
     ConnectionState,
