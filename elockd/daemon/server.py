@@ -58,6 +58,11 @@ log = logging.getLogger("elockd")
 
 TOO_MANY_CONNECTIONS = b"0 Too Many Connections\r\n"
 LISTEN_BACKLOG = 4096
+#: Connections the accept loop takes before it lets other tasks run. A burst of
+#: 10,000 newcomers (a fleet restart) would otherwise be accepted, and their first
+#: steps run, before any established client is served again: ~200 ms of silence.
+#: Yielding every 64 costs one checkpoint per 64 connections.
+ACCEPT_BATCH = 64
 #: Deadlines (lease ends, grace ends, waits timing out) the timer runs before it lets
 #: other tasks run: each timed-out wait wakes its connection's task, and trio runs
 #: every task woken in one batch before it looks at the network again.
@@ -202,7 +207,10 @@ async def accept_loop(
     A connection counts in ``connections`` (``q``, ``stats``, /metrics) from the
     moment it is accepted, not from when its task first runs: a client that connects
     and then asks ``q`` on another connection sees it counted. Unix peers are named
-    ``unix:1``, ``unix:2``... (``unix_peers``), as glockd names them."""
+    ``unix:1``, ``unix:2``... (``unix_peers``), as glockd names them.
+
+    At most :data:`ACCEPT_BATCH` connections are accepted before the loop yields, so
+    that established connections are served between batches of a burst."""
     if slots is None:
         slots = ConnectionSlots(service.config.max_connections)
     if unix_peers is None:
@@ -215,7 +223,13 @@ async def accept_loop(
     bound = keepalive_bound(keepalive)
     while True:
         await trio.lowlevel.wait_readable(listener)
+        accepted = 0
         while True:
+            if accepted >= ACCEPT_BATCH:
+                # Established connections (and the tasks just started) run before
+                # the next batch: a burst of newcomers cannot starve existing clients.
+                await trio.lowlevel.checkpoint()
+                accepted = 0
             try:
                 sock, address = listener.accept()
             except BlockingIOError:
@@ -234,6 +248,7 @@ async def accept_loop(
                     await trio.sleep(pause)
                     break
                 continue
+            accepted += 1
             if slots.used >= slots.limit:
                 log_refusal("--max-connections")
                 refuse(sock)

@@ -14,20 +14,18 @@ run it over a :class:`~elockd.net.transport.Transport`.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
+from functools import cached_property
 
 import trio
 
-from elockd.backend.interface import Backend
 from elockd.handover.parked import Backlog, Parked
 from elockd.handover.pause import HandedOver, Interrupted, Pause
 from elockd.net.tcp_silence import LATE_REPLY
 from elockd.net.transport import Transport
 from elockd.observe.logs import log_connection_close, log_connection_open
-from elockd.protocol.config import Config
 from elockd.protocol.connection import (
     REFUSALS,
-    Command,
     Connection,
     Delayed,
     Outcome,
@@ -51,15 +49,9 @@ class PausableService(Service):
     hand-over (:mod:`elockd.handover.pause`). The pause is trio's and the hand-over's
     business, so the sans-IO service does not carry it."""
 
-    def __init__(
-        self,
-        config: Config,
-        backend: Backend,
-        commands: Mapping[bytes, Command],
-        auth_token: bytes | None = None,
-    ) -> None:
-        super().__init__(config, backend, commands, auth_token)
-        self.pause: Pause[Parked] = Pause()
+    @cached_property
+    def pause(self) -> Pause[Parked]:
+        return Pause()
 
 
 def peer_name(address: object) -> bytes:
