@@ -59,7 +59,7 @@ from bench.run import (
     running,
     started_etcd,
 )
-from elockd.daemon.config import Config
+from elockd.protocol.config import Config
 
 GRANTED = "1 Got Lock"
 CLOSED = "<closed before a reply>"

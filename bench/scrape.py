@@ -31,9 +31,9 @@ from elockd.backend.cluster.etcd.client import KeyValue
 from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, entry_value
 from elockd.backend.cluster.space import ClusterLockSpace
 from elockd.backend.memory import MemoryBackend
-from elockd.daemon.config import Config
 from elockd.net.metrics import make_registry
 from elockd.protocol.commands import COMMANDS
+from elockd.protocol.config import Config
 from elockd.protocol.connection import Service
 
 LOCKS = 1_000_000

@@ -24,8 +24,8 @@ import trio
 import trio.testing
 import trustme
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
+from elockd.protocol.config import Config
 from tests.support.cluster_nodes import Nodes
 from tests.support.etcd_cluster import EtcdCluster, running_cluster
 from tests.support.line_client import RunningServer

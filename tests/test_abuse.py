@@ -25,9 +25,9 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve_stream
 from elockd.net.serving import REPLY_FLUSH_BYTES
+from elockd.protocol.config import Config
 from elockd.protocol.connection import Connection, Streamed
 from elockd.protocol.framing import LineReader
 from tests.support.line_client import LineClient, RunningServer

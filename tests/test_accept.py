@@ -4,6 +4,7 @@ with a reason, and sets TCP keepalive so vanished hosts are noticed."""
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import socket
 import ssl
@@ -12,9 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.daemon.config import Config
-from elockd.daemon.logthrottle import LogThrottle
 from elockd.daemon.server import (
+    ACCEPT_BATCH,
     SpareDescriptor,
     accept_loop,
     keepalive_settings,
@@ -23,7 +23,10 @@ from elockd.daemon.server import (
 )
 from elockd.net import accepting
 from elockd.net.accepting import IGNORABLE_ACCEPT_ERRNOS
-from elockd.net.serving import ConnectionSlots
+from elockd.net.serving import ConnectionSlots, serve_connection
+from elockd.net.transport import SocketTransport
+from elockd.observe.logthrottle import LogThrottle
+from elockd.protocol.config import Config
 
 
 class FlakyListener(socket.socket):
@@ -231,6 +234,49 @@ async def test_connections_are_counted_when_accepted_not_when_their_task_runs() 
                 await trio.sleep(0.001)
         nursery.cancel_scope.cancel()
     listener.close()
+
+
+async def test_an_established_connection_is_served_between_accept_batches() -> None:
+    """A burst of newcomers is accepted ACCEPT_BATCH at a time, and established
+    connections are served in between: counted by how many newcomers were accepted
+    by the time each of an established client's replies came, not by a clock.
+    Accepting the whole burst in one go (as before) shows as one jump of BURST."""
+    burst = 10 * ACCEPT_BATCH
+    service = make_service(Config(port=0, metrics_port=0))
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(2 * burst)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    pending = RecordingNursery()  # the newcomers' tasks are recorded, never run
+    ours, theirs = socket.socketpair()
+    established = trio.socket.from_stdlib_socket(theirs)
+    async with trio.open_nursery() as nursery:
+        ours.setblocking(False)
+        nursery.start_soon(serve_connection, service, SocketTransport(ours), b"established")
+        nursery.start_soon(accept_loop, service, listener, pending)
+        await trio.testing.wait_all_tasks_blocked()
+        newcomers = [socket.create_connection(("127.0.0.1", port)) for _ in range(burst)]
+        seen = [len(pending.tasks)]
+        with trio.fail_after(30):
+            while len(pending.tasks) < burst:
+                await established.send(b"g k\nr k\n")
+                replies = b""
+                while replies.count(b"\n") < 2:
+                    replies += await established.recv(1024)
+                assert replies == b"1 Got Lock\r\n1 Released Lock\r\n"
+                seen.append(len(pending.tasks))
+        nursery.cancel_scope.cancel()
+    for each in newcomers:
+        each.close()
+    established.close()
+    listener.close()
+    assert seen[0] == 0
+    assert seen[-1] == burst
+    # A round trip spans a few scheduler batches, each with at most one accept batch.
+    jumps = [later - earlier for earlier, later in itertools.pairwise(seen)]
+    assert max(jumps) <= 3 * ACCEPT_BATCH, seen
+    assert len(seen) > burst // (3 * ACCEPT_BATCH), seen
 
 
 async def test_a_tls_connection_that_never_handshakes_is_uncounted() -> None:

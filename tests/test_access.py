@@ -12,11 +12,11 @@ import trio
 import trio.testing
 import trustme
 
-from elockd.daemon import logs
-from elockd.daemon.config import Config
-from elockd.daemon.logthrottle import LogThrottle
 from elockd.daemon.server import make_service, serve
 from elockd.daemon.startup import StartupError
+from elockd.observe import logs
+from elockd.observe.logthrottle import LogThrottle
+from elockd.protocol.config import Config
 from elockd.protocol.connection import Connection
 from tests.support.line_client import LineClient, RunningServer
 from tests.support.polling import eventually

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from elockd import __version__
-from elockd.daemon.config import Config
 from elockd.daemon.main import (
     UsageError,
     build_parser,
@@ -20,6 +19,7 @@ from elockd.daemon.main import (
     load_config,
     setting_actions,
 )
+from elockd.protocol.config import Config
 
 
 def write(path: Path, text: str) -> str:

@@ -42,8 +42,8 @@ from elockd.client.core import (
     printable,
     terse_answer,
 )
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
+from elockd.protocol.config import Config
 from tests.support.foreign_service import foreign_service
 from tests.support.line_client import RunningServer
 from tests.support.server_process import SpawnServer

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from elockd.daemon.config import Config
 from elockd.engine.sessions import WAITING
+from elockd.protocol.config import Config
 from elockd.protocol.connection import LINE_TOO_LONG, Connection, Outcome
 from elockd.protocol.framing import LineReader
 from tests.support.sansio import memory_service, waiting, whole

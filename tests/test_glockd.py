@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from elockd.daemon.config import Config
+from elockd.protocol.config import Config
 from tests.support.line_client import LineClient, RunningServer
 from tests.support.polling import eventually
 

@@ -35,13 +35,13 @@ from elockd.backend.cluster.etcd.client import EtcdClient
 from elockd.backend.cluster.space import ClusterLockSpace
 from elockd.backend.interface import QueueFull, TooManyHolds
 from elockd.backend.memory import MemoryBackend, Wait
-from elockd.daemon.config import Config
 from elockd.engine.locks import FREE_SLICE
 from elockd.engine.sessions import WAITING, Hold, Session, Waiter
-from elockd.handover.pause import Backlog, Parked
+from elockd.handover.parked import Backlog, Parked
 from elockd.handover.state import ConnectionState, Record, Restorer, StateError, dump_state
 from elockd.net.transport import StreamTransport
 from elockd.protocol.commands import COMMANDS
+from elockd.protocol.config import Config
 from elockd.protocol.connection import WORD, Connection, Outcome, Service
 from elockd.protocol.framing import LineReader
 from elockd.protocol.word import WAIT_REPLIES

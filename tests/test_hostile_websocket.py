@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
 from elockd.engine.sessions import Session
-from elockd.handover.pause import Parked
+from elockd.handover.parked import Parked
 from elockd.net.websocket import WebSocketTransport
+from elockd.protocol.config import Config
 from elockd.protocol.connection import Connection
 from tests.support.hostile_tools import free_port, latency_probe, rss_bytes
 from tests.support.line_client import LineClient

@@ -28,12 +28,13 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elockd.daemon import logs
-from elockd.daemon.config import Config
-from elockd.daemon.logs import SESSION_END_BURST, configure_logging, escape
-from elockd.daemon.logthrottle import LogThrottle
+from elockd.daemon.logs import configure_logging
 from elockd.daemon.server import make_service, serve
 from elockd.engine.sessions import Session
+from elockd.observe import logs
+from elockd.observe.logs import SESSION_END_BURST, escape
+from elockd.observe.logthrottle import LogThrottle
+from elockd.protocol.config import Config
 from tests.support.line_client import LineClient
 from tests.support.polling import eventually
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.daemon import logs
-from elockd.daemon.config import Config
 from elockd.daemon.logs import configure_logging, effective_configuration, redact_url
-from elockd.daemon.logthrottle import LogThrottle
 from elockd.daemon.server import make_service, serve
+from elockd.observe import logs
+from elockd.observe.logthrottle import LogThrottle
 from elockd.protocol.commands import COMMANDS
+from elockd.protocol.config import Config
 from tests.support.line_client import LineClient
 from tests.support.polling import eventually, until_waiting
 

@@ -23,10 +23,10 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
 from elockd.engine.locks import LockEngine
 from elockd.net.metrics import EXTRA_METRICS, Exposition, make_registry, serve_metrics
+from elockd.protocol.config import Config
 from elockd.protocol.connection import Service
 from elockd.protocol.stats import Buckets
 from tests.support.line_client import RunningServer

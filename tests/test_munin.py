@@ -16,8 +16,8 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
+from elockd.protocol.config import Config
 from tests.support.foreign_service import foreign_service
 from tests.support.line_client import RunningServer
 

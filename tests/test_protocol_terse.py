@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elockd.daemon.config import Config
+from elockd.protocol.config import Config
 from tests.support.line_client import LineClient, RunningServer
 from tests.support.polling import counted_stats, eventually, stats_showing
 

@@ -12,7 +12,7 @@ import re
 import pytest
 import trio
 
-from elockd.daemon.config import Config
+from elockd.protocol.config import Config
 from tests.support.line_client import LineClient, RunningServer
 from tests.support.polling import eventually, resumed, stats_showing, until_waiting
 

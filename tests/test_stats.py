@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elockd.daemon.logthrottle import LogThrottle
+from elockd.observe.logthrottle import LogThrottle
 from elockd.protocol.stats import HOLD_BUCKETS, Buckets
 
 durations = st.lists(

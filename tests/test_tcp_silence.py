@@ -16,7 +16,7 @@ from elockd.net import tcp_silence, transport
 from elockd.net.serving import deliver
 from elockd.net.tcp_silence import lower_user_timeout, set_user_timeout, silent_for
 from elockd.net.transport import SocketTransport
-from elockd.protocol.connection import Delayed
+from elockd.protocol.connection import Delayed, Reports
 
 BOUND = 30.0
 
@@ -155,5 +155,5 @@ async def test_only_a_reply_a_second_or_more_after_its_request_is_late(
 ) -> None:
     mock_clock.autojump_threshold = 0
     recorder = Recorder()
-    await deliver(Delayed(b"x", seconds), recorder, trio.current_time())  # type: ignore[arg-type]
+    await deliver(Delayed(b"x", seconds), recorder, trio.current_time(), reports=Reports())  # type: ignore[arg-type]
     assert recorder.calls == calls

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import GC_THRESHOLDS, tune_garbage_collector
+from elockd.protocol.config import Config
 from tests.support.line_client import LineClient, RunningServer
 from tests.support.polling import counted_stats, eventually, stats_showing
 from tests.support.server_process import SpawnServer, drained

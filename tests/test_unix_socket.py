@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
 from elockd.net.unix_socket import UnixPeers
+from elockd.protocol.config import Config
 from tests.support.line_client import LineClient
 
 

@@ -16,8 +16,8 @@ import trustme
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
 
 from elockd.client import BlockingClient, Client
-from elockd.daemon.config import Config
 from elockd.daemon.server import make_service, serve
+from elockd.protocol.config import Config
 from tests.support.hostile_tools import free_port
 from tests.support.line_client import LineClient
 from tests.support.polling import eventually, until_waiting

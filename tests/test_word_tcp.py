@@ -18,7 +18,7 @@ import socket
 import pytest
 import trio
 
-from elockd.daemon.config import Config
+from elockd.protocol.config import Config
 from tests.support.line_client import LineClient, RunningServer
 from tests.support.polling import eventually, stats_showing, until_waiting
 from tests.support.server_process import SpawnServer

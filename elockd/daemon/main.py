@@ -44,7 +44,6 @@ from elockd.daemon.bounds import (
     check_text,
     check_unix_path,
 )
-from elockd.daemon.config import Config
 from elockd.daemon.logs import (
     FORMATS,
     LEVELS,
@@ -56,6 +55,7 @@ from elockd.daemon.logs import (
 )
 from elockd.daemon.server import MAX_CLUSTER_KEYS, run_until_signal
 from elockd.daemon.startup import StartupError, find, one_line, shown
+from elockd.protocol.config import Config
 from elockd.protocol.replies import STYLES
 
 log = logging.getLogger("elockd")

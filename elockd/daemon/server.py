@@ -31,8 +31,7 @@ import trio
 
 from elockd.backend.interface import Backend
 from elockd.backend.memory import MemoryBackend
-from elockd.daemon.config import Config
-from elockd.daemon.logs import log_refusal, log_session_end, log_start, log_tls_failure
+from elockd.daemon.logs import log_start
 from elockd.daemon.startup import (
     LOCK_PORT_HINT,
     METRICS_PORT_HINT,
@@ -41,7 +40,6 @@ from elockd.daemon.startup import (
     blame_file,
     shown,
 )
-from elockd.daemon.tracing import trace_requests
 from elockd.handover.exchange import (
     Giver,
     Listeners,
@@ -53,18 +51,31 @@ from elockd.handover.exchange import (
 from elockd.net import accepting
 from elockd.net.accepting import accept_pause
 from elockd.net.metrics import serve_metrics
-from elockd.net.serving import ConnectionSlots, host_port, peer_name, serve_connection
+from elockd.net.serving import (
+    ConnectionSlots,
+    PausableService,
+    host_port,
+    peer_name,
+    serve_connection,
+)
 from elockd.net.tcp_silence import keepalive_bound, keepalive_settings, set_user_timeout
 from elockd.net.transport import Closer, SocketTransport, StreamTransport
 from elockd.net.unix_socket import OwnedPath, UnixPeers, open_unix_socket
+from elockd.observe.logs import log_auth_failure, log_refusal, log_session_end, log_tls_failure
+from elockd.observe.tracing import trace_requests
 from elockd.protocol.commands import COMMANDS
-from elockd.protocol.connection import Service
+from elockd.protocol.config import Config
 from elockd.systemd import sd_notify
 
 log = logging.getLogger("elockd")
 
 TOO_MANY_CONNECTIONS = b"0 Too Many Connections\r\n"
 LISTEN_BACKLOG = 4096
+#: Connections the accept loop takes before it lets other tasks run. A burst of
+#: 10,000 newcomers (a fleet restart) would otherwise be accepted, and their first
+#: steps run, before any established client is served again: ~200 ms of silence.
+#: Yielding every 64 costs one checkpoint per 64 connections.
+ACCEPT_BATCH = 64
 #: Deadlines (lease ends, grace ends, waits timing out) the timer runs before it lets
 #: other tasks run: each timed-out wait wakes its connection's task, and trio runs
 #: every task woken in one batch before it looks at the network again.
@@ -189,7 +200,7 @@ class SpareDescriptor:
 
 
 async def accept_loop(
-    service: Service,
+    service: PausableService,
     listener: socket.socket,
     nursery: trio.Nursery,
     tls: ssl.SSLContext | None = None,
@@ -209,7 +220,10 @@ async def accept_loop(
     A connection counts in ``connections`` (``q``, ``stats``, /metrics) from the
     moment it is accepted, not from when its task first runs: a client that connects
     and then asks ``q`` on another connection sees it counted. Unix peers are named
-    ``unix:1``, ``unix:2``... (``unix_peers``), as glockd names them."""
+    ``unix:1``, ``unix:2``... (``unix_peers``), as glockd names them.
+
+    At most :data:`ACCEPT_BATCH` connections are accepted before the loop yields, so
+    that established connections are served between batches of a burst."""
     if slots is None:
         slots = ConnectionSlots(service.config.max_connections)
     if unix_peers is None:
@@ -222,7 +236,13 @@ async def accept_loop(
     bound = keepalive_bound(keepalive)
     while True:
         await trio.lowlevel.wait_readable(listener)
+        accepted = 0
         while True:
+            if accepted >= ACCEPT_BATCH:
+                # Established connections (and the tasks just started) run before
+                # the next batch: a burst of newcomers cannot starve existing clients.
+                await trio.lowlevel.checkpoint()
+                accepted = 0
             try:
                 sock, address = listener.accept()
             except BlockingIOError:
@@ -241,6 +261,7 @@ async def accept_loop(
                     await trio.sleep(pause)
                     break
                 continue
+            accepted += 1
             if slots.used >= slots.limit:
                 log_refusal("--max-connections")
                 refuse(sock)
@@ -272,7 +293,7 @@ def refuse(sock: socket.socket) -> None:
 
 
 async def serve_stream(
-    service: Service, stream: trio.abc.Stream, peer: bytes, *, counted: bool = False
+    service: PausableService, stream: trio.abc.Stream, peer: bytes, *, counted: bool = False
 ) -> None:
     """Serve a connection given as a trio Stream (TLS, tests); ``counted``: the accept
     loop counted it already."""
@@ -281,7 +302,7 @@ async def serve_stream(
 
 
 async def serve_tls(
-    service: Service, sock: socket.socket, context: ssl.SSLContext, peer: bytes
+    service: PausableService, sock: socket.socket, context: ssl.SSLContext, peer: bytes
 ) -> None:
     """Complete the TLS handshake within ``--handshake-timeout``, then serve."""
     stream = trio.SSLStream(
@@ -352,12 +373,14 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def make_service(config: Config) -> Service:
+def make_service(config: Config) -> PausableService:
     """The backend and service the server runs: in memory, or a cluster node."""
     token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
     backend: Backend = make_cluster_backend(config) if config.etcd else make_memory_backend(config)
     backend.books.on_session_end = log_session_end
-    service = Service(config, backend, COMMANDS, token)
+    service = PausableService(config, backend, COMMANDS, token)
+    service.reports.refusal = log_refusal
+    service.reports.auth_failure = log_auth_failure
     if log.isEnabledFor(logging.DEBUG):  # the plain command table costs nothing
         trace_requests(service)
     return service
@@ -471,7 +494,7 @@ def unix_paths(listeners: Listeners) -> list[OwnedPath]:
 
 async def serve(
     config: Config,
-    service: Service | None = None,
+    service: PausableService | None = None,
     *,
     task_status: trio.TaskStatus[list[tuple[str, int] | str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:

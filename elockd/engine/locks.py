@@ -501,9 +501,18 @@ class LockEngine(Bookkeeping):
         return True
 
     def _free(self, hold: Hold, now: float) -> None:
-        """Remove a hold from every table, then hand the key to its next waiter(s)."""
+        """Remove a hold from every table, then hand the key to its next waiter(s).
+
+        Every release runs this, so :meth:`hold_ended` (and its ``end_lease``) is
+        written out here rather than called: two calls less per release. A change to
+        what a hold's end accounts for goes in both places."""
         session, key = hold.session, hold.key
-        self.hold_ended(hold, now)
+        if hold.lease_deadline is not None:
+            hold.lease_deadline = None  # its heap entry goes stale
+            self.leases -= 1
+            session.leases -= 1
+        if self.on_hold_end is not None:
+            self.on_hold_end(hold.shared, now - hold.granted_at)
         if hold.shared:
             self._unshare(hold)
             self.shared_holders -= 1

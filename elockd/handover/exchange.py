@@ -36,9 +36,10 @@ from typing import Any
 import trio
 
 from elockd.handover.channel import MAX_FDS_PER_MESSAGE, Channel, ChannelError
-from elockd.handover.pause import Parked
+from elockd.handover.parked import Parked
 from elockd.handover.records import FORMAT, READABLE, VERSION, ConnectionState
 from elockd.handover.state import Restorer, StateError, dump_state
+from elockd.net.serving import PausableService
 from elockd.net.tcp_silence import keepalive_bound
 from elockd.net.transport import Closer, SocketTransport
 from elockd.net.unix_socket import open_unix_socket
@@ -85,7 +86,7 @@ class Giver:
     """What the old process hands over, and how it stops and restarts its own work
     (accepting, the deadline timer) around the attempt."""
 
-    service: Service
+    service: PausableService
     listeners: Listeners
     stop_work: Callable[[], Awaitable[None]]
     restart_work: Callable[[], None]

@@ -32,18 +32,15 @@ park them cost 60 ms of the pause; counting them as they rest costs nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Generic, TypeVar
 
 import trio
 
-if TYPE_CHECKING:
-    from elockd.net.transport import Transport
-    from elockd.protocol.connection import Connection, Outcome
-    from elockd.protocol.framing import LineReader
-
+#: A connection's resting state as its server keeps it
+#: (:class:`elockd.net.transport.Parked`): the pause only holds and hands them out.
+R = TypeVar("R", bound=Hashable)
 
 #: Once a pause is requested, how long a send that cannot be split (a TLS record, a
 #: WebSocket message) may still wait for its client before it counts as stuck. A
@@ -60,57 +57,16 @@ class HandedOver(Exception):
     """The connection is the successor's now: end its task, close nothing."""
 
 
-@dataclass
-class Backlog:
-    """What a connection had been asked but not yet answered when it parked: a
-    request still waiting for its grant, then the lines after it: ``lines`` from
-    ``start`` on. The chunk's list is kept whole with an index, so that marking the
-    place costs nothing per request (a slice per request would make a pipelined
-    chunk of 30,000 dumps quadratic)."""
-
-    pending: Outcome | None = None
-    lines: list[bytes | None] = field(default_factory=list)
-    start: int = 0
-
-    def remaining(self) -> list[bytes | None]:
-        """The lines not yet handled."""
-        return self.lines[self.start :] if self.start else self.lines
-
-    def keep(self, lines: list[bytes | None], start: int) -> None:
-        """Remember ``lines[start:]`` as not yet handled (nothing, past the end)."""
-        if start >= len(lines):
-            lines, start = [], 0
-        self.lines, self.start = lines, start
-
-    def take(self) -> list[bytes | None]:
-        """The lines not yet handled, which are now the caller's to handle."""
-        lines = self.remaining()
-        self.lines, self.start = [], 0
-        return lines
-
-
-@dataclass(eq=False)
-class Parked:
-    """One connection's resting state: everything needed to serve it on, here or
-    elsewhere. Each connection has one, kept up to date whenever it rests (compared
-    by identity). ``conn`` is None for a connection parked before it handled
-    anything (it has no session yet)."""
-
-    conn: Connection | None
-    reader: LineReader
-    transport: Transport
-    peer: bytes
-    backlog: Backlog
-
-
-class Pause:
-    """The switch every connection of a service looks at (see the module docstring)."""
+class Pause(Generic[R]):
+    """The switch every connection of a service looks at (see the module docstring).
+    What a connection rests as (``R``) is its server's business: the pause keeps
+    them, by identity, for the hand-over to collect."""
 
     def __init__(self) -> None:
         self.requested = False
-        self.parked: dict[int, Parked] = {}
+        self.parked: dict[int, R] = {}
         #: Connections resting in a wait right now (see :meth:`idle`).
-        self.idle: set[Parked] = set()
+        self.idle: set[R] = set()
         #: Sends waiting for their client right now, each with the grace it has
         #: once a pause is requested (see :meth:`stall_scope`).
         self.sending: dict[trio.CancelScope, float] = {}
@@ -134,7 +90,7 @@ class Pause:
         for scope, grace in self.sending.items():
             scope.deadline = min(scope.deadline, now + grace)
 
-    def resting(self) -> list[Parked]:
+    def resting(self) -> list[R]:
         """Every connection at rest now: parked, or idle in a wait."""
         parked = self.parked
         return [*parked.values(), *(rest for rest in self.idle if id(rest) not in parked)]
@@ -173,7 +129,7 @@ class Pause:
             finally:
                 del self.sending[scope]
 
-    async def park(self, rest: Parked) -> None:
+    async def park(self, rest: R) -> None:
         """Rest until the decision: return to go on, or raise :class:`HandedOver`."""
         decided = self._decided
         self.parked[id(rest)] = rest
@@ -184,4 +140,4 @@ class Pause:
 
 
 #: The pause of a transport no service pauses (tests, tools): never requested.
-NEVER = Pause()
+NEVER: Pause[Any] = Pause()

@@ -18,7 +18,7 @@ from typing import Any
 from elockd.backend.interface import Later
 from elockd.backend.state import Record, StateError, raw, text
 from elockd.engine.sessions import Session
-from elockd.handover.pause import Backlog, Parked
+from elockd.handover.parked import Backlog, Parked
 from elockd.net.transport import Transport
 from elockd.protocol.connection import WORD, Connection, Outcome, Service
 from elockd.protocol.framing import LineReader

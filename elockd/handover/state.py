@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from elockd.backend.state import Record, StateError
 from elockd.engine.sessions import Session
-from elockd.handover.pause import Parked
+from elockd.handover.parked import Parked
 from elockd.handover.records import (
     ConnectionState,
     connection_records,

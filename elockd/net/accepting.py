@@ -22,7 +22,7 @@ import errno
 import logging
 import os
 
-from elockd.daemon.logthrottle import LogThrottle
+from elockd.observe.logthrottle import LogThrottle
 
 log = logging.getLogger("elockd")
 

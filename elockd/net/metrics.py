@@ -43,7 +43,7 @@ from prometheus_client.registry import Collector
 
 from elockd import __version__
 from elockd.net.http import Tune, listen_tcp, serve_http
-from elockd.net.serving import ConnectionSlots
+from elockd.net.serving import ConnectionSlots, PausableService
 from elockd.net.websocket import serve_websocket
 from elockd.protocol.connection import Service
 from elockd.protocol.stats import Buckets
@@ -300,7 +300,7 @@ async def respond(
 
 
 async def serve_metrics(
-    service: Service,
+    service: PausableService,
     host: str,
     port: int,
     slots: ConnectionSlots | None = None,

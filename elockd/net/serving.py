@@ -15,14 +15,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
+from functools import cached_property
 
 import trio
 
-from elockd.daemon.logs import log_connection_close, log_connection_open
-from elockd.handover.pause import Backlog, HandedOver, Interrupted, Parked
+from elockd.backend.interface import REFUSALS
+from elockd.handover.parked import Backlog, Parked
+from elockd.handover.pause import HandedOver, Interrupted, Pause
 from elockd.net.tcp_silence import LATE_REPLY
 from elockd.net.transport import Transport
-from elockd.protocol.connection import Connection, Delayed, Outcome, Reply, Service, Streamed
+from elockd.observe.logs import log_connection_close, log_connection_open
+from elockd.protocol.connection import (
+    Connection,
+    Delayed,
+    Outcome,
+    Reply,
+    Reports,
+    Service,
+    Streamed,
+)
 from elockd.protocol.framing import LineReader
 
 #: Replies of one received chunk are sent once they reach this many bytes, not only
@@ -38,6 +49,17 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class PausableService(Service):
+    """The request layer's :class:`~elockd.protocol.connection.Service` as a server
+    runs it: with the switch that stops every connection between two requests for a
+    hand-over (:mod:`elockd.handover.pause`). The pause is trio's and the hand-over's
+    business, so the sans-IO service does not carry it."""
+
+    @cached_property
+    def pause(self) -> Pause[Parked]:
+        return Pause()
+
+
 def peer_name(address: object) -> bytes:
     """``IP:PORT`` for TCP peers (``[IP]:PORT`` for IPv6); ``unix`` otherwise."""
     if isinstance(address, tuple) and len(address) >= 2:
@@ -46,7 +68,7 @@ def peer_name(address: object) -> bytes:
 
 
 async def serve_connection(
-    service: Service,
+    service: PausableService,
     transport: Transport,
     peer: bytes,
     resumed: Parked | None = None,
@@ -84,7 +106,7 @@ async def serve_connection(
         # The backend may end the connection (its session was lost) through abort.
         with trio.CancelScope() as ended:
             conn.set_abort(ended.cancel)
-            await _serve_requests(conn, rest, service.config.idle_timeout)
+            await _serve_requests(conn, rest, pause, service.config.idle_timeout)
     except trio.BrokenResourceError:
         pass  # the peer is gone; nothing to tell it
     except HandedOver:
@@ -102,22 +124,25 @@ async def serve_connection(
             log_connection_close(peer)
 
 
-async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | None) -> None:
+async def _serve_requests(
+    conn: Connection, rest: Parked, pause: Pause[Parked], idle_timeout: float | None
+) -> None:
     """Read, answer and write until the peer leaves or asks to close.
 
     The fast path: every complete line of a received chunk is answered at once, and
-    the replies go out in one write (or every :data:`REPLY_FLUSH_BYTES`). A reply
-    that is not ready (a wait, the backend's I/O, a dump) takes :func:`deliver`,
-    after the replies before it went out, so they stay in order.
-
-    A pause for a hand-over (:mod:`elockd.handover.pause`) stops it between two requests: what
-    is left of the chunk (and a request still waiting) is the backlog in ``rest``.
-    After a failed hand-over it goes on with the backlog first."""
-    pause = conn.service.pause
+    the replies go out in one write. Three things end such a run of replies early,
+    each after that one write: a reply that is not ready (a wait, the backend's
+    I/O, a dump: :func:`deliver` sends it, so replies stay in order), the replies
+    reaching :data:`REPLY_FLUSH_BYTES` (then other connections run), and a
+    hand-over's pause (:mod:`elockd.handover.pause`): the connection parks between
+    two requests with what is left of the chunk, and a request still waiting, as its
+    backlog (:mod:`elockd.handover.parked`). After a failed hand-over it goes on
+    with the backlog first."""
+    reports = conn.service.reports
     reader, transport, backlog = rest.reader, rest.transport, rest.backlog
     while not conn.closing:
         if backlog.pending is not None:
-            delivered = await deliver(backlog.pending, transport)
+            delivered = await deliver(backlog.pending, transport, reports=reports)
             if delivered is None:
                 await pause.park(rest)  # the request still waits in the engine
                 continue
@@ -144,58 +169,58 @@ async def _serve_requests(conn: Connection, rest: Parked, idle_timeout: float | 
             if not data:
                 break
             lines = reader.feed(data)
+            del data  # nothing of a chunk outlives it (see the end of the loop)
         now = trio.current_time()
-        replies: list[bytes] = []
-        buffered = 0
-        for index, line in enumerate(lines):
-            reply = conn.handle(line, now)
-            if reply.__class__ is not bytes:
-                if replies:
-                    await transport.send(b"".join(replies))
-                    replies.clear()
-                    buffered = 0
-                # While it waits, the connection rests with this request pending.
-                backlog.keep(lines, index + 1)
-                if isinstance(reply, Outcome) and reply.waits:
-                    backlog.pending = reply
-                delivered = await deliver(reply, transport, now)
+        requests = enumerate(lines, 1)  # each line with the index of the one after it
+        more = True
+        while more:
+            more = False
+            replies: list[bytes] = []
+            buffered = 0
+            for after, line in requests:  # noqa: B007 (read once the loop breaks)
+                reply = conn.handle(line, now)
+                if isinstance(reply, bytes):
+                    if reply:  # glockd's dialect answers some requests with nothing at all
+                        replies.append(reply)
+                        buffered += len(reply)
+                    if not (conn.closing or pause.requested or buffered >= REPLY_FLUSH_BYTES):
+                        continue
+                more = True  # answered up to here; the rest of the chunk waits
+                break
+            if replies:
+                await transport.send(b"".join(replies))  # the one write of this run
+            if not more:
+                break
+            if not isinstance(reply, bytes):
+                # While the reply is awaited, the connection rests with the rest of
+                # the chunk (and this request, if it waits) as its backlog.
+                backlog.awaiting(reply, lines, after)
+                delivered = await deliver(reply, transport, now, reports=reports)
                 if delivered is None:  # paused while the request waits for its grant
                     await pause.park(rest)
                     break
-                backlog.pending = None
-                backlog.keep([], 0)
+                backlog.answered()
                 if not delivered:
                     return  # the client left while its request waited
-                if conn.closing:
-                    break
-                now = trio.current_time()
-            else:
-                assert isinstance(reply, bytes)
-                if reply:  # glockd's dialect answers some requests with nothing at all
-                    replies.append(reply)
-                if conn.closing:
-                    break
-                buffered += len(reply)
-                if buffered >= REPLY_FLUSH_BYTES:
-                    # Backpressure from a client that does not read starts here, and
-                    # the checkpoint lets other connections run between batches.
-                    await transport.send(b"".join(replies))
-                    replies.clear()
-                    buffered = 0
-                    await trio.lowlevel.checkpoint()
-                    now = trio.current_time()
-            if pause.requested:
-                if replies:
-                    await transport.send(b"".join(replies))
-                    replies.clear()
-                backlog.keep(lines, index + 1)
-                await pause.park(rest)
+            elif buffered >= REPLY_FLUSH_BYTES and not conn.closing:
+                # Backpressure from a client that does not read starts here, and
+                # the checkpoint lets other connections run between batches.
+                await trio.lowlevel.checkpoint()
+            if conn.closing:
                 break
-        if replies:
-            await transport.send(b"".join(replies))
+            now = trio.current_time()
+            if pause.requested:
+                await rest.park_between(pause, lines, after)
+                break
+        # The chunk's lines and replies are dropped before the next read: an idle
+        # connection would otherwise keep its last chunk (100 pipelined requests
+        # are ~6 KiB, 57 bytes per lock on the hold row) for as long as it idles.
+        del lines, requests, replies
 
 
-async def deliver(reply: Reply, transport: Transport, asked: float = -math.inf) -> bool | None:
+async def deliver(
+    reply: Reply, transport: Transport, asked: float = -math.inf, *, reports: Reports
+) -> bool | None:
     """Send a reply that was not ready at once; False when the client went away while
     its request waited (its session's disconnect then cancels the wait), None when a
     hand-over's pause came first (the request still waits in the engine, or was
@@ -204,10 +229,11 @@ async def deliver(reply: Reply, transport: Transport, asked: float = -math.inf) 
     ``asked`` is when the request was read (unknown for one resumed after a
     hand-over): a reply :data:`~elockd.net.tcp_silence.LATE_REPLY` or more after it
     tells the transport, so that a client whose host vanished while it waited is
-    given up on within the keepalive bound of its last word, not of the grant."""
+    given up on within the keepalive bound of its last word, not of the grant.
+    ``reports``: where a refusal at a limit is reported."""
     if isinstance(reply, Outcome):
         try:
-            settled = await settle(reply, transport)
+            settled = await settle(reply, transport, reports)
         except Interrupted:
             return None
         if settled is None:
@@ -228,18 +254,31 @@ async def deliver(reply: Reply, transport: Transport, asked: float = -math.inf) 
     return True
 
 
-async def settle(outcome: Outcome, transport: Transport) -> bytes | Streamed | None:
+async def answered(outcome: Outcome, reports: Reports) -> bytes | Streamed:
+    """An outcome's reply once the backend has answered: the request layer's
+    ``finish``, or its family's refusal when the backend refused (a limit, or etcd
+    without quorum). The request layer never awaits; this is where it is done."""
+    try:
+        value = await outcome.later.run()
+    except REFUSALS as error:
+        return outcome.family.refusal(error, outcome.peer, reports)
+    return outcome.finish(value)
+
+
+async def settle(
+    outcome: Outcome, transport: Transport, reports: Reports
+) -> bytes | Streamed | None:
     """An outcome's reply. One that waits for a grant is raced against the client
     going away, and abandoned (None) if it does first; a hand-over's pause interrupts
     it (:class:`~elockd.handover.pause.Interrupted`) and leaves the request waiting."""
     if not outcome.waits:
-        return await outcome.settle()
+        return await answered(outcome, reports)
     reply: bytes | Streamed | None = None
     interrupted = False
 
     async def run() -> None:
         nonlocal reply
-        reply = await outcome.settle()
+        reply = await answered(outcome, reports)
         nursery.cancel_scope.cancel()
 
     async def watch_peer() -> None:

@@ -16,12 +16,12 @@ import heapq
 import math
 import socket
 from collections import deque
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Hashable, Iterable
+from typing import Any, Protocol
 
 import trio
 
-from elockd.handover.pause import NEVER, STREAM_SEND_GRACE, Interrupted, Parked, Pause
+from elockd.handover.pause import NEVER, STREAM_SEND_GRACE, Interrupted, Pause
 from elockd.net.tcp_silence import lower_user_timeout, set_user_timeout, silent_for
 
 RECEIVE_SIZE = 65536
@@ -44,9 +44,10 @@ class Transport(Protocol):
     #: Set by the connection's loop: while a read waits, the connection rests as
     #: ``rest`` (it counts as parked for a hand-over's ``pause``), and a read that
     #: ends while the pause lasts raises :class:`~elockd.handover.pause.Interrupted` instead
-    #: of returning.
-    pause: Pause
-    rest: Parked | None
+    #: of returning. What it rests as is the connection loop's business
+    #: (:class:`elockd.handover.parked.Parked`): the transport only hands it to the pause.
+    pause: Pause[Any]
+    rest: Hashable | None
 
     async def receive(self) -> bytes:
         """The next chunk, or b"" once the peer is gone."""
@@ -81,7 +82,7 @@ class _ReadAhead:
     def __init__(self) -> None:
         self._read_ahead = b""
         self.pause = NEVER
-        self.rest: Parked | None = None
+        self.rest: Hashable | None = None
 
     @property
     def read_ahead(self) -> bytes:
@@ -124,7 +125,7 @@ class _ReadAhead:
         await rest_forever(self.pause, self.rest)
 
 
-async def rest_forever(pause: Pause, rest: Parked | None) -> None:
+async def rest_forever(pause: Pause[Any], rest: Hashable | None) -> None:
     """Sleep until cancelled, counted as at rest for a hand-over meanwhile."""
     if rest is not None:
         pause.idle.add(rest)

@@ -42,7 +42,7 @@ import contextlib
 import math
 import socket
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 import trio
 from wsproto import ConnectionType, WSConnection
@@ -59,10 +59,9 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from elockd.handover.pause import NEVER, STREAM_SEND_GRACE, Interrupted, Parked
-from elockd.net.serving import ConnectionSlots, peer_name, serve_connection
+from elockd.handover.pause import NEVER, STREAM_SEND_GRACE, Interrupted
+from elockd.net.serving import ConnectionSlots, PausableService, peer_name, serve_connection
 from elockd.net.transport import READ_AHEAD_LIMIT, RECEIVE_SIZE, Closer, rest_forever
-from elockd.protocol.connection import Service
 
 TOO_MANY_CONNECTIONS = b"0 Too Many Connections\r\n"
 #: Close codes (RFC 6455): the session ended, a message too big, "try again later".
@@ -128,7 +127,7 @@ class WebSocketTransport:
         self.max_message = max_message
         self.closer = closer
         self.pause = NEVER
-        self.rest: Parked | None = None
+        self.rest: Hashable | None = None
         #: The code our close frame will carry (1009 after a message too big...).
         self.close_code = NORMAL_CLOSURE
         self._events: Iterator[Event] = iter(())
@@ -396,7 +395,7 @@ class WebSocketTransport:
 
 
 async def serve_websocket(
-    service: Service,
+    service: PausableService,
     slots: ConnectionSlots,
     sock: socket.socket,
     head: bytes,

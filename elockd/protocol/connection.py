@@ -9,8 +9,9 @@ A reply is one of:
 
 * ``bytes``: the reply, now (almost every request);
 * :class:`Outcome`: a reply that comes later, because the request waits for a grant
-  or needs the backend's I/O. It finishes itself: the server awaits
-  :meth:`Outcome.settle` (racing it against the client going away when it waits);
+  or needs the backend's I/O. The server awaits the backend's answer (racing it
+  against the client going away when it waits) and makes the reply with
+  :meth:`Outcome.finish`, or :meth:`Family.refusal` when the backend refused;
 * :class:`Streamed`: a multi-line reply that grows with the tables (a dump), sent a
   chunk at a time as fast as the client reads;
 * :class:`Delayed`: a reply held back on purpose (a wrong ``auth`` token).
@@ -19,6 +20,10 @@ The verbs come from a declarative table (:mod:`elockd.protocol.commands`) that t
 passes in: each :class:`Command` declares its family, arguments, whether it needs
 ``auth``, and its handler. The dispatcher counts the verb, splits a word request's
 arguments by the declaration, and calls the handler.
+
+Nothing here awaits, sleeps or logs: what an operator should hear of (a refusal at
+a limit, a failed ``auth``) goes to the :class:`Reports` hooks, which the server
+wires to its log records (:mod:`elockd.observe.logs`).
 """
 
 from __future__ import annotations
@@ -36,11 +41,9 @@ from elockd.backend.interface import (
     Result,
     TooManyHolds,
 )
-from elockd.daemon.config import Config
-from elockd.daemon.logs import log_refusal
 from elockd.engine.sessions import Session
-from elockd.handover.pause import Pause
 from elockd.protocol.arguments import Args, BadRequest
+from elockd.protocol.config import Config
 from elockd.protocol.replies import STYLES, TerseReplies
 from elockd.protocol.stats import Counters, Timings, snapshot
 
@@ -48,6 +51,24 @@ T = TypeVar("T")
 
 LINE_TOO_LONG = b"0 Line Too Long\r\n"
 INVALID_VERB_SHOWN = 64  # bytes of an unknown verb echoed back
+
+
+def _unreported(*_: object) -> None:
+    """A hook nobody wired (tests, tools): the event is not reported."""
+
+
+class Reports:
+    """What the request layer has to tell an operator, as hooks: it never logs
+    itself. The server wires them to :mod:`elockd.observe.logs` (rate-limited
+    records); unwired, nothing is reported."""
+
+    __slots__ = ("auth_failure", "refusal")
+
+    def __init__(self) -> None:
+        #: A request refused at the limit the flag names (``--max-holds``), and by whom.
+        self.refusal: Callable[[str, bytes], None] = _unreported
+        #: A wrong ``auth`` token, and from whom.
+        self.auth_failure: Callable[[bytes], None] = _unreported
 
 
 class Family:
@@ -72,14 +93,14 @@ class Family:
         self.too_many_waiters = too_many_waiters
         self.unavailable = unavailable
 
-    def refusal(self, error: Exception, peer: bytes) -> bytes:
-        """The reply for a backend's refusal (logged: limit refusals are what an
+    def refusal(self, error: Exception, peer: bytes, reports: Reports) -> bytes:
+        """The reply for a backend's refusal (reported: limit refusals are what an
         operator tunes a flag for)."""
         if isinstance(error, TooManyHolds):
-            log_refusal("--max-holds", peer)
+            reports.refusal("--max-holds", peer)
             return self.too_many_holds
         if isinstance(error, QueueFull):
-            log_refusal("--max-waiters", peer)
+            reports.refusal("--max-waiters", peer)
             return self.too_many_waiters
         return self.unavailable
 
@@ -130,8 +151,10 @@ class Delayed:
 
 class Outcome:
     """A reply that comes later: the backend's :class:`~elockd.backend.interface.Later` result,
-    and what turns it into the reply. ``waits`` marks a request waiting for a grant,
-    which the server abandons when its client goes away."""
+    and what turns it into the reply: ``finish(value)`` once the backend answered,
+    ``family.refusal(...)`` if it refused (a limit, or etcd without quorum). The
+    awaiting is the server's (:func:`elockd.net.serving.answered`). ``waits`` marks a
+    request waiting for a grant, which the server abandons when its client goes away."""
 
     __slots__ = ("family", "finish", "later", "peer")
 
@@ -150,15 +173,6 @@ class Outcome:
     @property
     def waits(self) -> bool:
         return self.later.waits
-
-    async def settle(self) -> bytes | Streamed:
-        """The reply, once the backend has answered (a refusal in the family's style
-        when it refused: a limit, or etcd without quorum)."""
-        try:
-            value = await self.later.run()
-        except REFUSALS as error:
-            return self.family.refusal(error, self.peer)
-        return self.finish(value)
 
 
 Reply = bytes | Outcome | Streamed | Delayed
@@ -263,8 +277,7 @@ class Service:
         # Connections that set a name with `iam`, oldest naming first (for `who`).
         self.named: dict[Connection, None] = {}
         self.auth_token = auth_token
-        # Stops every connection between two requests for a hand-over (elockd.handover.pause).
-        self.pause = Pause()
+        self.reports = Reports()
         # Before `auth` succeeds a connection dispatches through this table, where
         # every verb that needs auth is refused: no per-request check on the hot path.
         self.unauthenticated_commands = {
@@ -362,7 +375,7 @@ class Connection:
         except BadRequest as error:
             return b"400 Bad Request: %s\r\n" % str(error).encode()
         except REFUSALS as error:
-            return command.family.refusal(error, self.peer)
+            return command.family.refusal(error, self.peer, self.service.reports)
 
     def set_abort(self, abort: Callable[[], None]) -> None:
         """How the backend may end this connection (its session was lost)."""

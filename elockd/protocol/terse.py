@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from elockd.backend.interface import Holders, KeyInfo, Later
+from elockd.backend.interface import Grant, Holders, KeyInfo
 from elockd.protocol.connection import TERSE, Outcome, Reply, Streamed, answer
 
 if TYPE_CHECKING:
@@ -30,9 +30,11 @@ def cmd_g(conn: Connection, rest: bytes, now: float) -> Reply:
     # g and r carry the load: terse_key's cheap test and answer() are inlined.
     key = terse_key(rest) if b" " in rest or b"\t" in rest else rest
     result = conn.backend.acquire(conn.session, key, now)
-    if isinstance(result, Later):
-        return Outcome(result, lambda granted: _got(conn, key, granted), TERSE, conn.peer)
-    return _got(conn, key, result)
+    if result is True:  # answered at once (in memory): no isinstance, no call
+        return conn.replies.got(key)
+    if result is False:
+        return conn.replies.cannot_get(key)
+    return Outcome(result, lambda granted: _got(conn, key, granted), TERSE, conn.peer)
 
 
 def _got(conn: Connection, key: bytes, granted: bool) -> bytes:
@@ -42,9 +44,11 @@ def _got(conn: Connection, key: bytes, granted: bool) -> bytes:
 def cmd_r(conn: Connection, rest: bytes, now: float) -> Reply:
     key = terse_key(rest) if b" " in rest or b"\t" in rest else rest
     result = conn.backend.release(conn.session, key, now)
-    if isinstance(result, Later):
-        return Outcome(result, lambda freed: _released(conn, key, freed), TERSE, conn.peer)
-    return _released(conn, key, result)
+    if result is True:
+        return conn.replies.released(key)
+    if result is False:
+        return conn.replies.cannot_release(key)
+    return Outcome(result, lambda freed: _released(conn, key, freed), TERSE, conn.peer)
 
 
 def _released(conn: Connection, key: bytes, released: bool) -> bytes:
@@ -62,16 +66,23 @@ def cmd_i(conn: Connection, rest: bytes, now: float) -> Reply:
 
 
 def cmd_sg(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = terse_key(rest)
-    replies = conn.replies
+    # sg and sr get g's treatment: no answer() call, no closure unless the reply
+    # comes later.
+    key = terse_key(rest) if b" " in rest or b"\t" in rest else rest
     result = conn.backend.lock_shared(conn.session, key, now, limit=None, wait=0, ttl=None)
-    if isinstance(result, Later):
-        return Outcome(result, lambda grant: replies.shared_got(grant.count, key), TERSE, conn.peer)
-    return replies.shared_got(result.count, key)
+    if isinstance(result, Grant):
+        return conn.replies.shared_got(result.count, key)
+    replies = conn.replies
+    return Outcome(result, lambda grant: replies.shared_got(grant.count, key), TERSE, conn.peer)
 
 
 def cmd_sr(conn: Connection, rest: bytes, now: float) -> Reply:
-    key = terse_key(rest)
+    key = terse_key(rest) if b" " in rest or b"\t" in rest else rest
+    left = conn.backend.release_shared(conn.session, key, now)
+    if left is None:
+        return conn.replies.shared_cannot_release(key)
+    if isinstance(left, int):
+        return conn.replies.shared_released(key)
     replies = conn.replies
 
     def reply(left: int | None) -> bytes:
@@ -79,7 +90,7 @@ def cmd_sr(conn: Connection, rest: bytes, now: float) -> Reply:
             return replies.shared_cannot_release(key)
         return replies.shared_released(key)
 
-    return answer(conn.backend.release_shared(conn.session, key, now), reply, TERSE, conn.peer)
+    return Outcome(left, reply, TERSE, conn.peer)
 
 
 def cmd_si(conn: Connection, rest: bytes, now: float) -> Reply:

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from elockd.backend.interface import Grant, KeyInfo
-from elockd.daemon.logs import log_auth_failure, log_refusal
 from elockd.engine.sessions import Session
 from elockd.protocol.arguments import Args, BadRequest, parse_number, parse_seconds
 from elockd.protocol.connection import WORD, Delayed, Reply, answer
@@ -123,7 +122,7 @@ def cmd_mlock(conn: Connection, args: Args, now: float) -> Reply:
     wait = 0.0 if wait_option is None else parse_seconds(wait_option, "wait", args.max_seconds)
     ttl = args.option_seconds(b"ttl")
     if len(keys) > conn.service.config.max_keys:
-        log_refusal("--max-keys", conn.peer)
+        conn.service.reports.refusal("--max-keys", conn.peer)
         return TOO_MANY_KEYS
     result = conn.backend.lock(conn.session, keys, now, wait=wait, ttl=ttl)
     return answer(result, _acquired_or_keys, WORD, conn.peer)
@@ -171,13 +170,13 @@ def cmd_ping(conn: Connection, args: Args, now: float) -> Reply:
 
 
 def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
-    """``auth TOKEN`` (the token is the rest of the line). A wrong token is logged
-    with the peer and answered only after ``--auth-failure-delay``; then the
-    connection closes."""
+    """``auth TOKEN`` (the token is the rest of the line). A wrong token is reported
+    with the peer (the server logs it) and answered only after
+    ``--auth-failure-delay``; then the connection closes."""
     token = rest.strip(b" \t")
     if conn.check_token(token):
         return b"200 OK\r\n"
-    log_auth_failure(conn.peer)
+    conn.service.reports.auth_failure(conn.peer)
     conn.closing = True
     return Delayed(b"403 Bad Token\r\n", conn.service.config.auth_failure_delay)
 

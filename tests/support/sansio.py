@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from elockd.backend.memory import MemoryBackend, Wait
-from elockd.daemon.config import Config
+from elockd.net.serving import answered
 from elockd.protocol.commands import COMMANDS
-from elockd.protocol.connection import Delayed, Outcome, Reply, Service, Streamed
+from elockd.protocol.config import Config
+from elockd.protocol.connection import Delayed, Outcome, Reply, Reports, Service, Streamed
 
 
 def memory_service(config: Config | None = None, **settings: Any) -> Service:
@@ -40,7 +41,7 @@ def whole(reply: Reply) -> bytes:
         return reply.reply
     if isinstance(reply, Outcome):
         assert not waiting(reply), "the request still waits"
-        coroutine = reply.settle()
+        coroutine = answered(reply, Reports())
         try:
             coroutine.send(None)
         except StopIteration as done:

@@ -37,7 +37,7 @@ from elockd.backend.cluster.etcd.client import (
 )
 from elockd.backend.cluster.tokens import TOKENS_PER_REVISION
 from elockd.backend.interface import BackendUnavailable
-from elockd.daemon.logthrottle import LogThrottle
+from elockd.observe.logthrottle import LogThrottle
 
 log = logging.getLogger("elockd.cluster")
 #: A node waiting for etcd at start-up says so every 10 s, not every retry.

@@ -24,10 +24,10 @@ from elockd.backend.cluster.lease import NodeLease
 from elockd.backend.cluster.ledger import ClusterHold, ClusterSession, Ledger
 from elockd.backend.cluster.mirror import QueueMirror
 from elockd.backend.cluster.records import SessionRecords
-from elockd.daemon.logs import shown
-from elockd.daemon.logthrottle import LogThrottle
 from elockd.engine.bookkeeping import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED
 from elockd.engine.sessions import Session
+from elockd.observe.logs import shown
+from elockd.observe.logthrottle import LogThrottle
 
 log = logging.getLogger("elockd.cluster")
 #: Sessions are lost by the thousand when etcd fails, and a client can have its

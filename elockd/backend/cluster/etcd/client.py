@@ -28,7 +28,7 @@ import trio
 
 from elockd.backend.cluster.etcd.batch import Queued, TxnBatcher, batches_in_flight
 from elockd.backend.cluster.etcd.transport import Retry, Transport
-from elockd.daemon.logthrottle import LogThrottle
+from elockd.observe.logthrottle import LogThrottle
 
 log = logging.getLogger("elockd.etcd")
 

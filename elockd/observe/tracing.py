@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from elockd.daemon.logs import shown
+from elockd.observe.logs import shown
 from elockd.protocol.connection import Command, Connection, Outcome, Reply, Service, Streamed
 
 log = logging.getLogger("elockd.requests")

@@ -3,6 +3,11 @@
 Each field is one flag (``max_ttl`` is ``--max-ttl``), also read from the
 environment (``ELOCKD_MAX_TTL``) and from a TOML file (``max_ttl = 3600``):
 :mod:`elockd.daemon.main` fills it from all three.
+
+It lives beside the request layer, the lowest layer that reads it (through
+:attr:`elockd.protocol.connection.Service.config`), so that every layer above can
+too without importing the process (:mod:`elockd.daemon`). It is a plain value: no
+I/O, no imports.
 """
 
 from __future__ import annotations
