@@ -135,7 +135,7 @@ class MemoryBackend(LockEngine, Backend):
         return MemoryDump(self, now, pending)
 
     def restore(self, now: float) -> MemoryRestore:
-        return MemoryRestore(self, now)
+        return MemoryRestore(self, now, self.later_for)
 
     # ---------------------------------------------------------------- waiting
 

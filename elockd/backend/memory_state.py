@@ -22,9 +22,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+from elockd.backend.interface import Grant, Later
 from elockd.backend.state import (
     SESSION_FIELDS,
     Record,
@@ -37,10 +38,12 @@ from elockd.backend.state import (
     text,
     time_left,
 )
+from elockd.engine.locks import LockEngine
 from elockd.engine.sessions import WAITING, Hold, Session, Waiter
 
-if TYPE_CHECKING:
-    from elockd.backend.memory import MemoryBackend
+#: The reply-later of a waiting request, from the backend (its ``later_for``): passed
+#: in, since the backend builds its dump and restore from this module.
+LaterFor = Callable[[Waiter], Later[Grant]]
 
 #: Holds per record (column by column, see _holds).
 HOLDS_BATCH = 5000
@@ -77,7 +80,7 @@ class MemoryDump:
     """The engine's records, in the order :class:`MemoryRestore` reads them."""
 
     def __init__(
-        self, engine: MemoryBackend, now: float, pending: Sequence[tuple[Session, Any]]
+        self, engine: LockEngine, now: float, pending: Sequence[tuple[Session, Any]]
     ) -> None:
         self.engine = engine
         self.now = now
@@ -165,11 +168,12 @@ class MemoryDump:
 class MemoryRestore(RecordReader):
     """Rebuilds the tables into a fresh engine, record by record (:meth:`feed`)."""
 
-    def __init__(self, engine: MemoryBackend, now: float) -> None:
+    def __init__(self, engine: LockEngine, now: float, later_for: LaterFor) -> None:
         if engine.sessions:
             raise StateError("the backend already has sessions")
         self.now = now
         self.engine = engine
+        self.later_for = later_for
         self.sessions: list[Session] = []
         self.waiters: list[Waiter] = []
         # (order, deadline, target): set once every table is in, in the old order.
@@ -301,7 +305,7 @@ class MemoryRestore(RecordReader):
     # ------------------------------------------------------------------ the end
 
     def pending(self, ref: int) -> Any:
-        return self.engine.later_for(self.waiters[ref])
+        return self.later_for(self.waiters[ref])
 
     def finish(self, gone: list[Session]) -> None:
         for session in gone:

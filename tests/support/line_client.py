@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import trio
 
-from elockd.daemon.config import Config
+from elockd.protocol.config import Config
 from elockd.protocol.connection import Service
 
 

@@ -19,10 +19,19 @@ durations. The hand-over adds the service's counters and the parked connections.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from elockd.backend.cluster.layout import EXCLUSIVE, SHARED
-from elockd.backend.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, ClusterWait
+from elockd.backend.cluster.calls import EtcdCalls
+from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, Layout
+from elockd.backend.cluster.lease import NodeLease
+from elockd.backend.cluster.ledger import (
+    ClusterAnswer,
+    ClusterHold,
+    ClusterSession,
+    ClusterWait,
+    Ledger,
+)
+from elockd.backend.cluster.node import ClusterNode
 from elockd.backend.interface import REFUSALS, Grant, Later
 from elockd.backend.state import (
     SESSION_FIELDS,
@@ -38,8 +47,25 @@ from elockd.backend.state import (
 )
 from elockd.engine.sessions import Session
 
-if TYPE_CHECKING:
-    from elockd.backend.cluster.space import ClusterLockSpace
+
+class ClusterLockSpace(Protocol):
+    """What a node's dump and restore read and set of
+    :class:`~elockd.backend.cluster.space.ClusterLockSpace` (described, not
+    imported: the space builds its dump and restore from this module)."""
+
+    calls: EtcdCalls
+    layout: Layout
+    lease: NodeLease
+    ledger: Ledger
+    node: ClusterNode
+    node_id: str
+    session_ttl: int
+
+    def adopt_identity(self, node_id: str, heartbeat_lease: int, sessions_lease: int) -> None: ...
+
+    def waiting_request(
+        self, session: ClusterSession, start: Callable[[], Awaitable[Grant]] | None
+    ) -> WaitingRequest: ...
 
 
 class WaitingRequest(Later[Grant]):
