@@ -44,7 +44,6 @@ from elockd.protocol.commands import COMMANDS
 from elockd.protocol.config import Config
 from elockd.protocol.connection import WORD, Connection, Outcome, Service
 from elockd.protocol.framing import LineReader
-from elockd.protocol.word import WAIT_REPLIES
 from tests.support.sansio import whole
 
 #: A key of every byte a latin-1 round trip could get wrong.
@@ -708,7 +707,9 @@ class Side:
         """The request now waits for its reply, as a parked connection would."""
         later = self.engine.later_for(waiter)
         peer = self.conns[session_id].peer
-        self.pending[session_id] = Outcome(later, WAIT_REPLIES[verb], WORD, peer)
+        finish = COMMANDS[verb.encode()].wait_reply
+        assert finish is not None
+        self.pending[session_id] = Outcome(later, finish, WORD, peer)
 
 
 def normal(result: Any) -> Any:

@@ -50,6 +50,7 @@ from elockd.handover.exchange import (
 )
 from elockd.net import accepting
 from elockd.net.accepting import accept_pause
+from elockd.net.listening import LISTEN_BACKLOG, open_tcp_sockets
 from elockd.net.metrics import serve_metrics
 from elockd.net.serving import (
     ConnectionSlots,
@@ -70,7 +71,6 @@ from elockd.systemd import sd_notify
 log = logging.getLogger("elockd")
 
 TOO_MANY_CONNECTIONS = b"0 Too Many Connections\r\n"
-LISTEN_BACKLOG = 4096
 #: Connections the accept loop takes before it lets other tasks run. A burst of
 #: 10,000 newcomers (a fleet restart) would otherwise be accepted, and their first
 #: steps run, before any established client is served again: ~200 ms of silence.
@@ -107,29 +107,6 @@ class DeadlineTimer:
                 await self._changed.wait()
             while self.engine.advance(trio.current_time(), DEADLINE_SLICE):
                 await trio.lowlevel.checkpoint()
-
-
-def open_tcp_sockets(host: str, port: int) -> list[socket.socket]:
-    """Bound, listening, non-blocking sockets for every address of ``host``."""
-    sockets: list[socket.socket] = []
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    try:
-        for family, kind, proto, _, address in infos:
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            if port == 0:  # one ephemeral port for every address family
-                port = sock.getsockname()[1]
-            sock.listen(LISTEN_BACKLOG)
-            sock.setblocking(False)
-    except OSError:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
 
 
 def tune_accepted(sock: socket.socket, keepalive: float = 0.0) -> None:

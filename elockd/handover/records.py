@@ -20,9 +20,9 @@ from elockd.backend.state import Record, StateError, raw, text
 from elockd.engine.sessions import Session
 from elockd.handover.parked import Backlog, Parked
 from elockd.net.transport import Transport
+from elockd.protocol.commands import COMMANDS
 from elockd.protocol.connection import WORD, Connection, Outcome, Service
 from elockd.protocol.framing import LineReader
-from elockd.protocol.word import WAIT_REPLIES
 
 #: What the stream is, the version of it this code writes, and the versions it
 #: reads. An old server refuses a successor that does not read its version, and a
@@ -98,7 +98,12 @@ def connection_records(
     """Every parked connection, a batch at a time, in the order of ``connections``
     (each movable one's socket goes along with its batch)."""
     named = {conn: place for place, conn in enumerate(service.named)}
-    finish_names: dict[object, str] = {finish: name for name, finish in WAIT_REPLIES.items()}
+    # A waiting request's reply is named by its verb (the table says how each words it).
+    finish_names: dict[object, str] = {
+        command.wait_reply: verb.decode()
+        for verb, command in COMMANDS.items()
+        if command.wait_reply is not None
+    }
     rows: list[Record] = []
     for state in connections:
         parked = state.parked
@@ -161,7 +166,10 @@ def rebuild_connections(
                 named.append((record["named"], conn))
             if record["pending"] is not None:
                 ref, reply = record["pending"]
-                backlog.pending = Outcome(pending_later(ref), WAIT_REPLIES[reply], WORD, peer)
+                finish = COMMANDS[reply.encode()].wait_reply
+                if finish is None:
+                    raise StateError(f"a waiting request of a verb that never waits: {reply}")
+                backlog.pending = Outcome(pending_later(ref), finish, WORD, peer)
         reader = LineReader(service.config.max_line)
         reader.resume(raw(record["partial"]), record["discarding"])
         transport = transports[fd]

@@ -208,20 +208,3 @@ async def serve_http(
                 await trio.sleep(accept_pause(error, "HTTP accept"))
                 continue
             nursery.start_soon(serve_one, stream)
-
-
-def listen_tcp(host: str, port: int, backlog: int = 1024) -> socket.socket:
-    """A listening socket on the first address of ``host`` (port 0: any free one)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock

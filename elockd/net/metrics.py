@@ -42,7 +42,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from elockd import __version__
-from elockd.net.http import Tune, listen_tcp, serve_http
+from elockd.net.http import Tune, serve_http
+from elockd.net.listening import open_tcp_sockets
 from elockd.net.serving import ConnectionSlots, PausableService
 from elockd.net.websocket import serve_websocket
 from elockd.protocol.connection import Service
@@ -321,7 +322,7 @@ async def serve_metrics(
     """
     config = service.config
     if sock is None:
-        sock = listen_tcp(host, port)
+        (sock,) = open_tcp_sockets(host, port, every_address=False, backlog=1024)
     bound_host, bound_port = sock.getsockname()[:2]
     exposition = Exposition(make_registry(service), max_age=config.metrics_cache)
     upgrade = None if slots is None else partial(serve_websocket, service, slots)

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from elockd.backend.interface import (
     REFUSALS,
     Backend,
+    Grant,
     Later,
     QueueFull,
     Result,
@@ -195,8 +196,8 @@ class Command:
     """One verb of the table: its family, what it takes, whether it may be asked
     before ``auth``, and its handler. A word verb takes at most ``arguments``
     positional arguments and the ``options`` named; the dispatcher splits them into
-    :class:`~elockd.protocol.arguments.Args` before the handler runs. A terse verb's handler
-    gets the rest of the line (its key is the whole of it)."""
+    :class:`~elockd.protocol.arguments.Args` before the handler runs. A terse verb's
+    handler gets the rest of the line (its key is the whole of it)."""
 
     __slots__ = (
         "arguments",
@@ -208,6 +209,7 @@ class Command:
         "raw",
         "secret",
         "verb",
+        "wait_reply",
     )
 
     def __init__(
@@ -221,6 +223,7 @@ class Command:
         needs_auth: bool = True,
         raw: bool = False,
         secret: bool = False,
+        wait_reply: Callable[[Grant], bytes] | None = None,
     ) -> None:
         """``raw``: a word verb whose handler takes the rest of the line as it is
         (``auth``: a token may hold blanks). ``secret``: its arguments or its reply
@@ -233,6 +236,9 @@ class Command:
         self.needs_auth = needs_auth
         self.raw = raw
         self.secret = secret
+        #: For a verb that may wait: how its answer is worded once it comes, named by
+        #: the verb in a hand-over's state so that the successor words it the same.
+        self.wait_reply = wait_reply
         # What the dispatcher calls: the handler itself when it takes the rest of
         # the line (the terse family: the hot path pays no extra call), else one
         # that splits the arguments first.

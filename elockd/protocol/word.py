@@ -9,7 +9,6 @@ one question, and formats the answer, now or once it comes
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from elockd.backend.interface import Grant, KeyInfo
@@ -40,10 +39,10 @@ def cmd_lock(conn: Connection, args: Args, now: float) -> Reply:
     wait = args.seconds(1, "WAIT") or 0.0
     ttl = args.option_seconds(b"ttl")
     result = conn.backend.lock(conn.session, [key], now, wait=wait, ttl=ttl)
-    return answer(result, _acquired_or_not, WORD, conn.peer)
+    return answer(result, acquired_or_not, WORD, conn.peer)
 
 
-def _acquired_or_not(grant: Grant) -> bytes:
+def acquired_or_not(grant: Grant) -> bytes:
     return ACQUIRED if grant.granted else UNAVAILABLE
 
 
@@ -99,10 +98,10 @@ def cmd_lock_shared(conn: Connection, args: Args, now: float) -> Reply:
     result = conn.backend.lock_shared(
         conn.session, key, now, limit=limit, wait=wait if limit is not None else 0.0, ttl=ttl
     )
-    return answer(result, _holders_after, WORD, conn.peer)
+    return answer(result, holders_after, WORD, conn.peer)
 
 
-def _holders_after(grant: Grant) -> bytes:
+def holders_after(grant: Grant) -> bytes:
     return b"%d %d\r\n" % (200 if grant.granted else 409, grant.count)
 
 
@@ -125,10 +124,10 @@ def cmd_mlock(conn: Connection, args: Args, now: float) -> Reply:
         conn.service.reports.refusal("--max-keys", conn.peer)
         return TOO_MANY_KEYS
     result = conn.backend.lock(conn.session, keys, now, wait=wait, ttl=ttl)
-    return answer(result, _acquired_or_keys, WORD, conn.peer)
+    return answer(result, acquired_or_keys, WORD, conn.peer)
 
 
-def _acquired_or_keys(grant: Grant) -> bytes:
+def acquired_or_keys(grant: Grant) -> bytes:
     if grant.granted:
         return ACQUIRED
     return b"409 Unavailable %s\r\n" % b" ".join(grant.blocked)
@@ -179,12 +178,3 @@ def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
     conn.service.reports.auth_failure(conn.peer)
     conn.closing = True
     return Delayed(b"403 Bad Token\r\n", conn.service.config.auth_failure_delay)
-
-
-#: How a waiting request's reply is made, by the verb that waits: a hand-over names
-#: it in the state, and the successor answers with the same function.
-WAIT_REPLIES: dict[str, Callable[[Grant], bytes]] = {
-    "lock": _acquired_or_not,
-    "mlock": _acquired_or_keys,
-    "lock_shared": _holders_after,
-}
