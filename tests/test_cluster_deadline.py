@@ -156,3 +156,38 @@ def test_the_tripwire_sees_a_token_that_would_go_back() -> None:
     # A waiter that leaves from behind the head never held: no high-water mark.
     mirror.apply([put(b"z", 1, 20), put(b"z", 2, 21), delete(b"z", 2, 22)])
     assert mirror.granted_after([b"z"], 19) is None
+
+
+async def test_while_frozen_nothing_is_confirmed_past_the_deadline(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A hand-over's freeze keeps the books as they are (no session is lost while it
+    copies them), but a ``token``, a ``renew`` or a grant past the deadline is still
+    refused: the freeze starts before the connections park."""
+    client = EtcdClient(["http://127.0.0.1:9"])
+    space = ClusterLockSpace(client, b"/t/", session_ttl=5)
+    session, closed = holding_session(space, b"k")
+    space.lease.renewed(7, trio.current_time(), 5)
+    space.freeze()
+    await trio.sleep(lease_deadline(0, 5))
+    assert space.token(session, b"k") is None
+    assert not space.renew(session, b"k", trio.current_time(), 10)
+    with pytest.raises(BackendUnavailable):
+        space.lease.confirm(session)
+    # The books are unchanged: the successor finds the lease gone and ends it so.
+    assert not session.lost and closed == [] and session.exclusive
+    await client.aclose()
+
+
+def test_a_session_lost_before_its_connection_runs_is_ended_when_it_does() -> None:
+    """A successor that finds the node's lease gone as it joins loses the adopted
+    sessions before any of their connections is served: each is ended the moment
+    its connection task hands it a way to end it."""
+    session = ClusterSession("s" * 32, b"peer")
+    session.lost = True
+    ended: list[str] = []
+    session.abort = lambda: ended.append("ended")
+    assert ended == ["ended"]
+    fresh = ClusterSession("t" * 32, b"peer")
+    fresh.abort = lambda: ended.append("not this one")
+    assert ended == ["ended"] and fresh.abort is not None

@@ -1166,3 +1166,14 @@ async def test_a_successor_with_another_prefix_or_session_ttl_is_refused(
         hand_over_cluster(old, new, old_now=0.0, new_now=0.0)
     assert new.node_id != old.node_id
     await client.aclose()
+
+
+def test_a_successor_keeps_the_lease_deadline_of_its_predecessor() -> None:
+    """The node's lease deadline travels as time left: a successor that has not
+    joined yet (etcd down) confirms nothing past it either."""
+    client = EtcdClient(["http://127.0.0.1:9"])
+    old, new = ClusterLockSpace(client, b"/p/"), ClusterLockSpace(client, b"/p/")
+    old.lease.set(42, 100.0 + 3.25)
+    hand_over_cluster(old, new, old_now=100.0, new_now=500.0)
+    assert new.lease.deadline == pytest.approx(503.25)
+    assert new.node.adopted_sessions_lease == 42

@@ -281,3 +281,26 @@ def test_json_logs_are_json_only_with_the_auth_warning_and_the_orphans(tmp_path:
     assert (orphans["client_name"], orphans["freed"], orphans["level"]) == ("nightly", 3, "info")
     assert events[-1] == ("info", "elockd stopped")
     assert not [event for event in events if event[0] == "debug"]
+
+
+def test_a_traced_waiting_reply_is_still_named_by_its_verb_for_a_hand_over() -> None:
+    """With --log-level debug every reply's wording is wrapped to be logged; a
+    hand-over names a waiting request's wording by the function it wraps, so the
+    wrapper must lead back to it (else every hand-over fails while one waits)."""
+    import inspect
+
+    from elockd.daemon.server import make_memory_backend
+    from elockd.net.serving import PausableService
+    from elockd.observe.tracing import trace_requests
+    from elockd.protocol.commands import COMMANDS
+    from elockd.protocol.connection import Connection, Outcome
+
+    config = Config()
+    service = PausableService(config, make_memory_backend(config), COMMANDS)
+    trace_requests(service)
+    holder, waiter = Connection(service, b"a"), Connection(service, b"b")
+    assert holder.handle(b"lock K", 0.0) == b"200 Acquired\r\n"
+    outcome = waiter.handle(b"lock K 5", 0.0)
+    assert isinstance(outcome, Outcome) and outcome.waits
+    assert outcome.finish is not COMMANDS[b"lock"].wait_reply  # traced
+    assert inspect.unwrap(outcome.finish) is COMMANDS[b"lock"].wait_reply

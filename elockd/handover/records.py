@@ -11,6 +11,7 @@ engine, :mod:`elockd.backend.cluster.state` for a cluster node's books).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,7 +112,8 @@ def connection_records(
         pending = None
         if backlog.pending is not None and conn is not None:
             ref = pending_ref(backlog.pending, conn.session)
-            pending = [ref, finish_names[backlog.pending.finish]]
+            # inspect.unwrap: with --log-level debug the reply's wording is traced.
+            pending = [ref, finish_names[inspect.unwrap(backlog.pending.finish)]]
         partial, discarding = reader.unread()
         rows.append(
             {

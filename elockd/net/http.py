@@ -180,7 +180,11 @@ async def serve_http(
             raw = socket.socket(fileno=accepted.socket.detach())
             raw.setblocking(False)
             if tune is not None:
-                tune(raw)
+                try:
+                    tune(raw)
+                except OSError:  # reset before it was tuned: this connection only
+                    raw.close()
+                    return
             head, request = await read_head(raw, idle_timeout)
             if not head:
                 raw.close()

@@ -24,7 +24,7 @@ from elockd.handover.parked import Backlog, Parked
 from elockd.handover.pause import HandedOver, Interrupted, Pause
 from elockd.net.tcp_silence import LATE_REPLY
 from elockd.net.transport import Transport
-from elockd.observe.logs import log_connection_close, log_connection_open
+from elockd.observe.logs import log_connection_close, log_connection_error, log_connection_open
 from elockd.protocol.connection import (
     Connection,
     Delayed,
@@ -111,6 +111,8 @@ async def serve_connection(
         pass  # the peer is gone; nothing to tell it
     except HandedOver:
         handed_over = True  # the successor serves it now: its socket and session stay
+    except Exception as error:  # a bug must end this connection, never the server
+        log_connection_error(peer, error)
     finally:
         # Once the service was handed over, nothing here is ours to close: a
         # connection that could not move (TLS) ends with this process.
@@ -287,6 +289,12 @@ async def settle(
             await transport.watch_for_close()
         except Interrupted:
             interrupted = True
+        except trio.BrokenResourceError:
+            # A send while watching failed (a WebSocket pong, unsent bytes carried
+            # through a hand-over): the peer is gone, as if it had hung up. Raised
+            # from here it would leave this nursery as an exception group, which no
+            # handler expects, and end the whole server.
+            pass
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:

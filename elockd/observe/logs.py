@@ -147,3 +147,18 @@ def log_tls_failure(peer: bytes, cause: BaseException) -> None:
     """A TLS client that did not complete its handshake (plain TCP on a TLS port, a
     missing or unknown client certificate), at most once per 10 s with a count."""
     _tls_failure_log("TLS handshake with %s failed: %s", shown(peer), cause)
+
+
+#: A connection task that failed in a way nobody foresaw (a bug): it ends that
+#: connection only. Once per 10 s, with a count.
+_connection_error_log = LogThrottle(log, logging.ERROR, REFUSAL_INTERVAL)
+
+
+def log_connection_error(peer: bytes, error: BaseException) -> None:
+    """A connection ended by an unexpected error: its session ends by its rules,
+    the server and every other connection go on."""
+    _connection_error_log(
+        "connection ended by an unexpected error: %s",
+        f"{type(error).__name__}: {error}"[:200],
+        fields={"peer": shown(peer)},
+    )

@@ -14,6 +14,7 @@ reply's status, never the rest.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,7 @@ def traced(command: Command) -> Command:
         needs_auth=command.needs_auth,
         raw=True,
         secret=secret,
+        wait_reply=command.wait_reply,
     )
 
 
@@ -90,6 +92,7 @@ def _logging_end(
     event: str,
     show_reply: Callable[[bytes | Streamed], str],
 ) -> Callable[[Any], bytes | Streamed]:
+    @functools.wraps(finish)  # a hand-over names a waiting reply by the function it wraps
     def logged(value: Any) -> bytes | Streamed:
         reply = finish(value)
         log.debug(event, extra={**fields, "reply": show_reply(reply)})

@@ -67,6 +67,11 @@ class SessionLoss:
             why,
         )
         now = trio.current_time()
+        # Its grace time and a wait a hand-over stopped end with it (counted no more).
+        self.ledger.stop_grace(session)
+        stopped = self.ledger.suspended_wait(session)
+        if stopped is not None:
+            del self.ledger.waits[session.id]
         for hold in self.ledger.holds(session):
             self.ledger.drop(hold, now)
         if session.abort is not None:

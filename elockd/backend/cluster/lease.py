@@ -117,12 +117,18 @@ class NodeLease:
                 # successor checks the lease before it serves on.
                 await self.calls.thawed()
 
+    def past_deadline(self) -> bool:
+        """Has the lease passed its local deadline? Changes nothing: while a
+        hand-over copies the books (when :meth:`gone` leaves them as they are) and
+        on a successor that has not joined yet, this alone refuses confirmations."""
+        return trio.current_time() >= self.deadline
+
     def confirm(self, session: ClusterSession) -> None:
         """Before anything held under the node's lease is confirmed to a client (a
         grant, ``token``, ``renew``, a lock already held): the lease is within its
         local deadline and the session was not lost. BackendUnavailable else."""
         self.check_expiry()
-        if session.lost:
+        if session.lost or self.past_deadline():
             raise BackendUnavailable("session lost: this node's etcd lease ran out")
 
     async def wait_for_lease(self) -> None:

@@ -15,7 +15,7 @@ entry's create revision and rank and the cluster's token floor kept here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +45,10 @@ class ClusterHold(Hold):
         self.ttl: float | None = None
 
 
+#: Session's own slot for ``abort``, under ClusterSession's property of that name.
+_SESSION_ABORT = Session.__dict__["abort"]
+
+
 class ClusterSession(Session):
     """A session of this node, with the tag that names it in its entries' keys (0
     until it first needs etcd: a session that takes no lock writes nothing there).
@@ -59,13 +63,27 @@ class ClusterSession(Session):
     )
 
     def __init__(self, session_id: str, peer: bytes) -> None:
+        self.lost = False  # before Session's __init__ sets abort (see below)
         super().__init__(session_id, peer)
         self.tag = 0
         # Entries a request of this session is creating right now: not strays.
         self.pending: set[bytes] = set()
         self.record_revision = 0  # mod revision of our last write of its record
         self.record_lock = trio.Lock()
-        self.lost = False
+
+    @property
+    def abort(self) -> Callable[[], None] | None:
+        abort: Callable[[], None] | None = _SESSION_ABORT.__get__(self, Session)
+        return abort
+
+    @abort.setter
+    def abort(self, abort: Callable[[], None] | None) -> None:
+        """How the session's connection is ended. A session lost before its
+        connection was served (a successor that found the node's lease gone as it
+        joined, before any connection of it ran) is ended as soon as it is."""
+        _SESSION_ABORT.__set__(self, abort)
+        if abort is not None and self.lost:
+            abort()
 
 
 @dataclass(eq=False)

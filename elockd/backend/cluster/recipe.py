@@ -388,7 +388,7 @@ class LockRecipe:
         within its local deadline (checked by :meth:`_granted`) is what proves etcd
         has not expired the entries since."""
         self.lease.check_expiry()
-        if session.lost or not self.lease.id:
+        if session.lost or not self.lease.id or self.lease.past_deadline():
             return False
         for etcd_key in entries:
             found = self.mirror.entry(etcd_key)

@@ -191,7 +191,12 @@ class ClusterLockSpace(Backend):
 
         async def run() -> Grant:
             if request.answer is not None:
-                return request.answer.give()
+                grant = request.answer.give()
+                if grant.granted:
+                    # Granted before a pause, told only now (here, or on a
+                    # successor): still within the lease's deadline?
+                    self.lease.confirm(session)
+                return grant
             stopped = ledger.suspended_wait(session)
             with calls.busy():
                 try:
@@ -215,10 +220,14 @@ class ClusterLockSpace(Backend):
 
     def renew(self, session: Session, key: bytes, now: float, ttl: float) -> bool:
         self.lease.check_expiry()  # past it, the session's holds are gone
+        if self.lease.past_deadline():  # and while frozen, nothing is confirmed
+            return False
         return self.recipe.renew(session, key, ttl)
 
     def token(self, session: Session, key: bytes) -> int | None:
         self.lease.check_expiry()  # past it, the session's holds are gone
+        if self.lease.past_deadline():  # and while frozen, nothing is confirmed
+            return None
         return super().token(session, key)
 
     def info(self, key: bytes, now: float) -> Later[KeyInfo]:

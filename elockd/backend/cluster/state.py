@@ -111,6 +111,9 @@ class ClusterDump:
             "node_id": space.node_id,
             "heartbeat_lease": space.node.heartbeat_lease,
             "sessions_lease": space.lease.id,
+            # The lease's local deadline, as time left: a successor confirms nothing
+            # past it either, also before it has joined (docs/cluster.md).
+            "sessions_lease_left": time_left(space.lease.deadline, now),
             "prefix": text(space.layout.root),
             "session_ttl": space.session_ttl,
             "backend_unavailable": space.calls.backend_unavailable,
@@ -233,6 +236,12 @@ class ClusterRestore(RecordReader):
                 "restart it instead, or move its clients with conn_id"
             )
         space.adopt_identity(record["node_id"], record["heartbeat_lease"], record["sessions_lease"])
+        left = record.get("sessions_lease_left")  # absent from an elockd before 2026-11-27
+        if left is not None:
+            # Until the join renews the lease (or finds it gone and loses its
+            # sessions), the predecessor's deadline holds here: nothing adopted is
+            # confirmed past it, however long etcd takes to answer the join.
+            space.lease.deadline = self.now + left
         ledger.orphans = record["orphans"]
         ledger.shared_orphans = record["shared_orphans"]
         ledger.expired = record["expired"]
