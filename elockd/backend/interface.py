@@ -1,5 +1,5 @@
-"""The backend interface: what the protocol layer asks of a lock backend, and the
-bookkeeping both backends keep the same way.
+"""The backend interface: what the protocol layer asks of a lock backend (the verbs;
+the counters both backends keep live in their ``books``).
 
 Two backends answer the same questions: the in-memory engine
 (:class:`elockd.backend.memory.MemoryBackend`, on the pure :class:`elockd.engine.locks.LockEngine`)
