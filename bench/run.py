@@ -410,10 +410,10 @@ def burst_probe(port: int, interval: float, stop: Any, ready: Any, results: Any)
 
 def burst_newcomers(port: int, count: int, done: Any, results: Any, release: Any) -> None:
     """``count`` new connections as fast as this process can open them, each sending
-    ``g burst:N`` at once; then every reply read. Reports when the last connection was
-    opened and when the last reply came (seconds from the start) and how many got
-    their lock; the connections stay open until ``release``, so their closing is not
-    part of the row."""
+    ``g burst:N`` at once; then every reply read. Reports when it started, when the
+    last connection was opened and when the last reply came (``time.monotonic``, one
+    clock for every process) and how many got their lock; the connections stay open
+    until ``release``, so their closing is not part of the row."""
     on_loadgen_core()
     raise_file_limit(count + 1000)
     started = time.monotonic()
@@ -422,12 +422,12 @@ def burst_newcomers(port: int, count: int, done: Any, results: Any, release: Any
         sock = socket.create_connection(("127.0.0.1", port), timeout=60)
         sock.sendall(b"g burst:%d\n" % index)
         sockets.append(sock)
-    opened = time.monotonic() - started
+    opened = time.monotonic()
     got = 0
     for sock in sockets:
         (line,) = read_lines(sock, 1, bytearray())
         got += line.startswith(b"1 ")
-    results.put((opened, time.monotonic() - started, got))
+    results.put((started, opened, time.monotonic(), got))
     done.set()
     release.wait(60)
     for sock in sockets:
@@ -447,28 +447,27 @@ def burst_row(port: int, count: int, interval: float = 0.005) -> dict[str, float
     if not ready.wait(30):
         raise RuntimeError("burst probe did not connect")
     time.sleep(1.0)  # the quiet second
-    burst_start = time.monotonic()
     newcomers = spawn.Process(
         target=burst_newcomers, args=(port, count, done, burst_results, release)
     )
     newcomers.start()
-    opened, replied, got = burst_results.get(timeout=120)
-    burst_end = time.monotonic()
+    burst_start, opened, burst_end, got = burst_results.get(timeout=120)
     time.sleep(0.2)
     stop.set()
     rounds = probe_results.get(timeout=30)
     release.set()
     probe.join()
     newcomers.join()
-    before = [rtt for sent, rtt in rounds if sent < burst_start]
-    during = [rtt for sent, rtt in rounds if burst_start <= sent <= burst_end]
+    before = [rtt for sent, rtt in rounds if burst_start - 1.0 <= sent < burst_start]
+    # A request sent before the burst but answered during it counts as during.
+    during = [rtt for sent, rtt in rounds if burst_start <= sent + rtt and sent <= burst_end]
     if not before or not during:
         raise RuntimeError("the burst probe measured nothing before or during the burst")
     return {
         "newcomers": count,
         "got": got,
-        "opened_s": opened,
-        "replied_s": replied,
+        "opened_s": opened - burst_start,
+        "replied_s": burst_end - burst_start,
         "before_max_ms": max(before) * 1000,
         "during_max_ms": max(during) * 1000,
         "during_p99_ms": percentile(during, 0.99) * 1000,
