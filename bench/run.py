@@ -1193,6 +1193,10 @@ def throughput_rows(
                     if values
                 )
                 print(f"<!-- runs: {runs} -->", flush=True)
+            cpu = ", ".join(
+                f"{server} {result.server_us_per_request:.2f}" for server, result in medians.items()
+            )
+            print(f"<!-- server CPU µs per request (median runs): {cpu} -->", flush=True)
     if glockd is not None:
         with contextlib.suppress(FileNotFoundError):
             (BUILD / f"glockd-{ports['glockd']}.pid").unlink()
