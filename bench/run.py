@@ -76,10 +76,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU of a process so far, from /proc (utime, stime)."""
+def cpu_split(pid: int) -> tuple[float, float]:
+    """user and system CPU seconds of a process so far, from /proc (utime, stime)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU of a process so far."""
+    return sum(cpu_split(pid))
 
 
 def memory_kib(pid: int, name: str = "VmRSS") -> int:
@@ -193,16 +198,22 @@ class Result:
     rss_kib: int
     errors: int
     extra: dict[str, str] = field(default_factory=dict)
+    #: the user-space part of server_cpu (the rest is the kernel's: syscalls)
+    server_user: float = 0.0
 
     @property
     def server_us_per_request(self) -> float:
         return self.server_cpu / self.requests * 1e6 if self.requests else float("nan")
 
+    @property
+    def server_user_us_per_request(self) -> float:
+        return self.server_user / self.requests * 1e6 if self.requests else float("nan")
+
 
 def run_loadgen(
     loadgen: Path, mode: str, port: int, server_pid: int, seconds: float, *args: str
 ) -> Result:
-    before_server = cpu_seconds(server_pid)
+    before_user, before_system = cpu_split(server_pid)
     before_children = resource.getrusage(resource.RUSAGE_CHILDREN)
     completed = subprocess.run(
         [
@@ -222,7 +233,9 @@ def run_loadgen(
         text=True,
     )
     after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    server_cpu = cpu_seconds(server_pid) - before_server
+    after_user, after_system = cpu_split(server_pid)
+    server_user = after_user - before_user
+    server_cpu = server_user + after_system - before_system
     loadgen_cpu = (after_children.ru_utime + after_children.ru_stime) - (
         before_children.ru_utime + before_children.ru_stime
     )
@@ -242,6 +255,7 @@ def run_loadgen(
         rss_kib=memory_kib(server_pid),
         errors=int(values["errors"]),
         extra=values,
+        server_user=server_user,
     )
 
 
@@ -1194,7 +1208,9 @@ def throughput_rows(
                 )
                 print(f"<!-- runs: {runs} -->", flush=True)
             cpu = ", ".join(
-                f"{server} {result.server_us_per_request:.2f}" for server, result in medians.items()
+                f"{server} {result.server_us_per_request:.2f} "
+                f"(user {result.server_user_us_per_request:.2f})"
+                for server, result in medians.items()
             )
             print(f"<!-- server CPU µs per request (median runs): {cpu} -->", flush=True)
     if glockd is not None:
