@@ -1152,8 +1152,18 @@ def median_result(results: list[Result]) -> Result:
     return sorted(results, key=lambda result: result.rps)[(len(results) - 1) // 2]
 
 
+def floor_command(port: int) -> list[str]:
+    """bench/floor.py: elockd's I/O path on trio with nothing behind it."""
+    return [sys.executable, "-P", str(ROOT / "bench" / "floor.py"), "--port", str(port)]
+
+
 def throughput_rows(
-    loadgen: Path, seconds: float, rounds: int, glockd: Path | None, have_redis: bool
+    loadgen: Path,
+    seconds: float,
+    rounds: int,
+    glockd: Path | None,
+    have_redis: bool,
+    floor: bool = False,
 ) -> None:
     """Each row against elockd, then glockd (when given, and not pipelined), then
     Redis, ``rounds`` times in turn; the medians and their ratios. All three servers
@@ -1173,7 +1183,7 @@ def throughput_rows(
         f"CPU s loadgen / server | RSS MiB |{peers} Redis req/s | to Redis |"
     )
     print("|---|---|---|---|---|---|" + ("---|---|" if glockd else "") + "---|---|")
-    ports = {name: free_port() for name in ("elockd", "glockd", "redis")}
+    ports = {name: free_port() for name in ("elockd", "glockd", "redis", "floor")}
     with contextlib.ExitStack() as stack:
         servers = {
             "elockd": stack.enter_context(running(elockd_command(ports["elockd"]), ports["elockd"]))
@@ -1186,7 +1196,11 @@ def throughput_rows(
             servers["redis"] = stack.enter_context(
                 running(redis_command(ports["redis"]), ports["redis"])
             )
-        modes = {"elockd": "lockd", "glockd": "lockd", "redis": "redis"}
+        if floor:
+            servers["floor"] = stack.enter_context(
+                running(floor_command(ports["floor"]), ports["floor"])
+            )
+        modes = {"elockd": "lockd", "glockd": "lockd", "redis": "redis", "floor": "lockd"}
         for name, args in THROUGHPUT_ROWS:
             results: dict[str, list[Result]] = {server: [] for server in servers}
             for _ in range(rounds):
@@ -1208,11 +1222,11 @@ def throughput_rows(
                 )
                 print(f"<!-- runs: {runs} -->", flush=True)
             cpu = ", ".join(
-                f"{server} {result.server_us_per_request:.2f} "
+                f"{server} {result.rps:,.0f} req/s, {result.server_us_per_request:.2f} µs "
                 f"(user {result.server_user_us_per_request:.2f})"
                 for server, result in medians.items()
             )
-            print(f"<!-- server CPU µs per request (median runs): {cpu} -->", flush=True)
+            print(f"<!-- median runs, server CPU per request: {cpu} -->", flush=True)
     if glockd is not None:
         with contextlib.suppress(FileNotFoundError):
             (BUILD / f"glockd-{ports['glockd']}.pid").unlink()
@@ -1254,6 +1268,12 @@ def main() -> None:
         metavar="BINARY",
         help="throughput rows: also run this glockd binary (built to bind 127.0.0.1) "
         "and print elockd's ratio to it",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="throughput rows: also run bench/floor.py (elockd's I/O on trio, nothing "
+        "behind it); its figures are in the notes under each row",
     )
     parser.add_argument(
         "--burst-conns",
@@ -1336,7 +1356,9 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
     print(f"server on core {SERVER_CORE}, load generator on core {LOADGEN_CORE}")
     elockd_port = free_port()
     if "throughput" in run:
-        throughput_rows(loadgen, options.seconds, options.rounds, options.glockd, have_redis)
+        throughput_rows(
+            loadgen, options.seconds, options.rounds, options.glockd, have_redis, options.floor
+        )
     if "burst" in run:
         with running(elockd_command(elockd_port), elockd_port) as ours:
             burst = burst_row(elockd_port, options.burst_conns)
