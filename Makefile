@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 9999
 METRICS_PORT ?= 9998
 
-.PHONY: run test lint clean stress bench bench-compare
+.PHONY: run test lint clean stress bench bench-compare bench-guard
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,15 @@ bench: $(VENV)/.installed-run
 BEFORE ?=
 bench-compare: $(VENV)/.installed-run
 	$(BIN)/python bench/compare.py --before $(BEFORE) $(BENCH_ARGS)
+
+# The step before any change to the request path (docs/performance.md): this tree
+# against the commit in bench/BASELINE, 5 alternating rounds; exit 1 when a throughput
+# median is below 0.95x the baseline's or bytes per held lock rose more than 5 %.
+# Timing, so not part of `make test`. About 8 minutes.
+bench-guard: $(VENV)/.installed-run
+	$(BIN)/python bench/compare.py --before $$(sed -n '/^[0-9a-f]/{p;q}' bench/BASELINE) \
+		--rounds 5 --rows throughput hold --hold-rounds 2 \
+		--min-ratio 0.95 --max-bytes-rise 0.05 $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-3.* .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/.build

@@ -76,10 +76,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU of a process so far, from /proc (utime, stime)."""
+def cpu_split(pid: int) -> tuple[float, float]:
+    """user and system CPU seconds of a process so far, from /proc (utime, stime)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU of a process so far."""
+    return sum(cpu_split(pid))
 
 
 def memory_kib(pid: int, name: str = "VmRSS") -> int:
@@ -123,8 +128,12 @@ def running(
 
 
 def elockd_command(port: int, metrics_port: int = 0, *extra: str) -> list[str]:
+    """elockd as the bench runs it. ``-P``: the package comes from ``PYTHONPATH`` or
+    the install, never from the working directory, so that bench/compare.py's
+    ``--before`` checkout is what runs even when started from this repository's root."""
     return [
         sys.executable,
+        "-P",
         "-m",
         "elockd",
         "--port",
@@ -189,16 +198,22 @@ class Result:
     rss_kib: int
     errors: int
     extra: dict[str, str] = field(default_factory=dict)
+    #: the user-space part of server_cpu (the rest is the kernel's: syscalls)
+    server_user: float = 0.0
 
     @property
     def server_us_per_request(self) -> float:
         return self.server_cpu / self.requests * 1e6 if self.requests else float("nan")
 
+    @property
+    def server_user_us_per_request(self) -> float:
+        return self.server_user / self.requests * 1e6 if self.requests else float("nan")
+
 
 def run_loadgen(
     loadgen: Path, mode: str, port: int, server_pid: int, seconds: float, *args: str
 ) -> Result:
-    before_server = cpu_seconds(server_pid)
+    before_user, before_system = cpu_split(server_pid)
     before_children = resource.getrusage(resource.RUSAGE_CHILDREN)
     completed = subprocess.run(
         [
@@ -218,7 +233,9 @@ def run_loadgen(
         text=True,
     )
     after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    server_cpu = cpu_seconds(server_pid) - before_server
+    after_user, after_system = cpu_split(server_pid)
+    server_user = after_user - before_user
+    server_cpu = server_user + after_system - before_system
     loadgen_cpu = (after_children.ru_utime + after_children.ru_stime) - (
         before_children.ru_utime + before_children.ru_stime
     )
@@ -238,6 +255,7 @@ def run_loadgen(
         rss_kib=memory_kib(server_pid),
         errors=int(values["errors"]),
         extra=values,
+        server_user=server_user,
     )
 
 
@@ -371,6 +389,127 @@ def hold_row(port: int, pid: int, conns: int, per_conn: int) -> dict[str, float]
         "probe_max_ms": max(latencies) * 1000,
         "probes": len(latencies),
     }
+
+
+def on_loadgen_core() -> None:
+    """Run this process on the load generator's core, so that nothing of the bench
+    takes the server's core from it."""
+    os.sched_setaffinity(0, {int(LOADGEN_CORE)})
+
+
+def burst_probe(port: int, interval: float, stop: Any, ready: Any, results: Any) -> None:
+    """An established client: ``g``/``r`` on its own key every ``interval`` seconds,
+    one request per round trip, until ``stop``; reports (sent at, round trip) of
+    every request."""
+    on_loadgen_core()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffer = bytearray()
+    rounds: list[tuple[float, float]] = []
+    ready.set()
+    next_at = time.monotonic()
+    while not stop.is_set():
+        for request, expected in ((b"g burst-probe\n", b"1 "), (b"r burst-probe\n", b"1 ")):
+            sent = time.monotonic()
+            sock.sendall(request)
+            (line,) = read_lines(sock, 1, buffer)
+            rounds.append((sent, time.monotonic() - sent))
+            if not line.startswith(expected):
+                raise RuntimeError(f"probe {request!r} -> {line!r}")
+        next_at += interval
+        time.sleep(max(0.0, next_at - time.monotonic()))
+    sock.close()
+    results.put(rounds)
+
+
+def burst_newcomers(port: int, count: int, done: Any, results: Any, release: Any) -> None:
+    """``count`` new connections as fast as this process can open them, each sending
+    ``g burst:N`` at once; then every reply read. Reports when it started, when the
+    last connection was opened, the slowest connect (a newcomer's own wait) and when
+    the last reply came (``time.monotonic``, one clock for every process) and how many
+    got their lock; the connections stay open until ``release``, so their closing is
+    not part of the row."""
+    on_loadgen_core()
+    # Below the probe on the shared core: the probe's round trip is to show the
+    # server's wait, not the wait for this process to give the core up.
+    os.nice(10)
+    raise_file_limit(count + 1000)
+    started = time.monotonic()
+    sockets = []
+    address = ("127.0.0.1", port)
+    slowest = 0.0
+    for index in range(count):
+        sock = socket.socket()  # blocking, no name lookup: as fast as one process opens them
+        before = time.monotonic()
+        sock.connect(address)
+        slowest = max(slowest, time.monotonic() - before)
+        sock.sendall(b"g burst:%d\n" % index)
+        sockets.append(sock)
+    opened = time.monotonic()
+    got = 0
+    for sock in sockets:
+        (line,) = read_lines(sock, 1, bytearray())
+        got += line.startswith(b"1 ")
+    results.put((started, opened, time.monotonic(), got, slowest))
+    done.set()
+    release.wait(60)
+    for sock in sockets:
+        sock.close()
+
+
+def burst_row(port: int, count: int, interval: float = 0.005) -> dict[str, float]:
+    """An established client doing ``g``/``r`` every ``interval`` while ``count`` new
+    connections arrive and each sends ``g KEY``: the client's worst round trip
+    during the burst, beside its worst in the second before. Probe and newcomers
+    are processes of their own on the load generator's core."""
+    spawn = multiprocessing.get_context("spawn")
+    stop, ready, done, release = (spawn.Event() for _ in range(4))
+    probe_results, burst_results = spawn.Queue(), spawn.Queue()
+    probe = spawn.Process(target=burst_probe, args=(port, interval, stop, ready, probe_results))
+    probe.start()
+    if not ready.wait(30):
+        raise RuntimeError("burst probe did not connect")
+    time.sleep(1.0)  # the quiet second
+    newcomers = spawn.Process(
+        target=burst_newcomers, args=(port, count, done, burst_results, release)
+    )
+    newcomers.start()
+    burst_start, opened, burst_end, got, slowest = burst_results.get(timeout=120)
+    time.sleep(0.2)
+    stop.set()
+    rounds = probe_results.get(timeout=30)
+    release.set()
+    probe.join()
+    newcomers.join()
+    before = [rtt for sent, rtt in rounds if burst_start - 1.0 <= sent < burst_start]
+    # A request sent before the burst but answered during it counts as during.
+    during = [rtt for sent, rtt in rounds if burst_start <= sent + rtt and sent <= burst_end]
+    if not before or not during:
+        raise RuntimeError("the burst probe measured nothing before or during the burst")
+    return {
+        "newcomers": count,
+        "got": got,
+        "opened_s": opened - burst_start,
+        "replied_s": burst_end - burst_start,
+        "slowest_connect_ms": slowest * 1000,
+        "before_max_ms": max(before) * 1000,
+        "during_max_ms": max(during) * 1000,
+        "during_p99_ms": percentile(during, 0.99) * 1000,
+        "probes": len(during),
+    }
+
+
+def print_burst(burst: dict[str, float]) -> None:
+    print(
+        f"Burst: {burst['newcomers']:,.0f} new connections each sending 'g KEY' "
+        f"({burst['got']:,.0f} granted; all opened after {burst['opened_s']:.2f} s, the "
+        f"slowest connect {burst['slowest_connect_ms']:.0f} ms, all answered after "
+        f"{burst['replied_s']:.2f} s) while an established client does "
+        f"g/r every 5 ms: its worst round trip {burst['during_max_ms']:.1f} ms during the "
+        f"burst (p99 {burst['during_p99_ms']:.1f} ms over {burst['probes']:,.0f} requests), "
+        f"{burst['before_max_ms']:.1f} ms in the second before",
+        flush=True,
+    )
 
 
 @contextlib.contextmanager
@@ -967,15 +1106,130 @@ THROUGHPUT_ROWS = [
 ]
 
 
-def print_row(name: str, ours: Result, redis: Result | None) -> None:
-    ratio = f"{ours.rps / redis.rps:.2f}x" if redis else "-"
-    redis_rps = f"{redis.rps:,.0f}" if redis else "-"
+def print_row(
+    name: str,
+    ours: Result,
+    glockd: Result | None,
+    redis: Result | None,
+    glockd_column: Path | None = None,
+) -> None:
+    """One table row; the glockd columns only when ``glockd_column`` (its binary) is
+    set, with a dash where glockd has no figure (a pipelined row)."""
+
+    def beside(peer: Result | None) -> str:
+        if peer is None:
+            return "- | - |"
+        return f"{peer.rps:,.0f} | {ours.rps / peer.rps:.2f}x |"
+
+    peers = (" " + beside(glockd) if glockd_column else "") + " " + beside(redis)
     print(
         f"| {name} | {ours.rps:,.0f} | {ours.p50_us:,.0f} / {ours.p99_us:,.0f} | "
         f"{ours.server_us_per_request:.2f} | {ours.loadgen_cpu:.1f} / {ours.server_cpu:.1f} | "
-        f"{ours.rss_kib / 1024:.0f} | {redis_rps} | {ratio} |",
+        f"{ours.rss_kib / 1024:.0f} |{peers}",
         flush=True,
     )
+
+
+def glockd_command(binary: Path, port: int) -> list[str]:
+    """glockd (the Go server, a peer to measure against) on loopback only: its
+    r286 source binds every interface, so the binary given must have been built
+    with the two listen addresses changed to 127.0.0.1 (see docs/performance.md).
+    No WebSocket listener; the pid file goes to the build folder."""
+    BUILD.mkdir(parents=True, exist_ok=True)
+    pidfile = BUILD / f"glockd-{port}.pid"
+    return [str(binary), "-port", str(port), "-ws", "0", "-pidfile", str(pidfile)]
+
+
+def pipelined(args: list[str]) -> bool:
+    """Whether a row keeps more than one request in flight per connection (glockd
+    answers one request at a time per connection, so it has no such row)."""
+    return "--pipeline" in args and args[args.index("--pipeline") + 1] != "1"
+
+
+def median_result(results: list[Result]) -> Result:
+    """The run with the median request rate (the lower middle one of an even count),
+    so that its latency and CPU columns belong to the same run."""
+    return sorted(results, key=lambda result: result.rps)[(len(results) - 1) // 2]
+
+
+def floor_command(port: int) -> list[str]:
+    """bench/floor.py: elockd's I/O path on trio with nothing behind it."""
+    return [sys.executable, "-P", str(ROOT / "bench" / "floor.py"), "--port", str(port)]
+
+
+def throughput_rows(
+    loadgen: Path,
+    seconds: float,
+    rounds: int,
+    glockd: Path | None,
+    have_redis: bool,
+    floor: bool = False,
+) -> None:
+    """Each row against elockd, then glockd (when given, and not pipelined), then
+    Redis, ``rounds`` times in turn; the medians and their ratios. All three servers
+    run for the whole table, each pinned to the server core, and only one of them is
+    driven at a time."""
+    if glockd is not None and not os.access(glockd, os.X_OK):
+        raise SystemExit(f"--glockd {glockd}: not an executable file")
+    print()
+    print(
+        f"# {rounds} round(s) of {seconds:g} s per server and row, in turn; medians"
+        if rounds > 1
+        else f"# {seconds:g} s per server and row"
+    )
+    peers = " glockd req/s | to glockd |" if glockd else ""
+    print(
+        "| workload (50 connections) | elockd req/s | p50 / p99 µs | server CPU µs/req | "
+        f"CPU s loadgen / server | RSS MiB |{peers} Redis req/s | to Redis |"
+    )
+    print("|---|---|---|---|---|---|" + ("---|---|" if glockd else "") + "---|---|")
+    ports = {name: free_port() for name in ("elockd", "glockd", "redis", "floor")}
+    with contextlib.ExitStack() as stack:
+        servers = {
+            "elockd": stack.enter_context(running(elockd_command(ports["elockd"]), ports["elockd"]))
+        }
+        if glockd is not None:
+            servers["glockd"] = stack.enter_context(
+                running(glockd_command(glockd, ports["glockd"]), ports["glockd"])
+            )
+        if have_redis:
+            servers["redis"] = stack.enter_context(
+                running(redis_command(ports["redis"]), ports["redis"])
+            )
+        if floor:
+            servers["floor"] = stack.enter_context(
+                running(floor_command(ports["floor"]), ports["floor"])
+            )
+        modes = {"elockd": "lockd", "glockd": "lockd", "redis": "redis", "floor": "lockd"}
+        for name, args in THROUGHPUT_ROWS:
+            results: dict[str, list[Result]] = {server: [] for server in servers}
+            for _ in range(rounds):
+                for server, process in servers.items():
+                    if server == "glockd" and pipelined(args):
+                        continue
+                    results[server].append(
+                        run_loadgen(
+                            loadgen, modes[server], ports[server], process.pid, seconds, *args
+                        )
+                    )
+            medians = {server: median_result(runs) for server, runs in results.items() if runs}
+            print_row(name, medians["elockd"], medians.get("glockd"), medians.get("redis"), glockd)
+            if rounds > 1:
+                runs = "; ".join(
+                    f"{server} " + ", ".join(f"{result.rps:,.0f}" for result in values)
+                    for server, values in results.items()
+                    if values
+                )
+                print(f"<!-- runs: {runs} -->", flush=True)
+            cpu = ", ".join(
+                f"{server} {result.rps:,.0f} req/s, {result.server_us_per_request:.2f} µs "
+                f"(user {result.server_user_us_per_request:.2f})"
+                for server, result in medians.items()
+            )
+            print(f"<!-- median runs, server CPU per request: {cpu} -->", flush=True)
+    if glockd is not None:
+        with contextlib.suppress(FileNotFoundError):
+            (BUILD / f"glockd-{ports['glockd']}.pid").unlink()
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -1002,7 +1256,32 @@ def main() -> None:
     parser.add_argument("--hold-locks", type=int, default=100, help="locks per connection")
     parser.add_argument("--waiters", type=int, default=10_000)
     parser.add_argument("--leases", type=int, default=100_000)
-    groups = ["throughput", "hold", "features", "scrape", "websocket", "etcd"]
+    parser.add_argument(
+        "--rounds",
+        type=at_least(1),
+        default=1,
+        help="throughput rows: runs per server, in turn; the table shows medians",
+    )
+    parser.add_argument(
+        "--glockd",
+        type=Path,
+        metavar="BINARY",
+        help="throughput rows: also run this glockd binary (built to bind 127.0.0.1) "
+        "and print elockd's ratio to it",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="throughput rows: also run bench/floor.py (elockd's I/O on trio, nothing "
+        "behind it); its figures are in the notes under each row",
+    )
+    parser.add_argument(
+        "--burst-conns",
+        type=at_least(1),
+        default=10_000,
+        help="new connections in the burst row",
+    )
+    groups = ["throughput", "burst", "hold", "features", "scrape", "websocket", "etcd"]
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=groups, help="row groups to leave out"
     )
@@ -1053,7 +1332,7 @@ def main() -> None:
         run.discard("etcd")
 
     print(f"# elockd bench, {options.seconds:g} s per row; {time.strftime('%Y-%m-%d %H:%M')}")
-    if run & {"throughput", "hold", "features", "scrape", "websocket"}:
+    if run & {"throughput", "burst", "hold", "features", "scrape", "websocket"}:
         pinned_rows(options, run)
     if "etcd" in run:
         etcd_rows(
@@ -1075,36 +1354,16 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
     if not have_redis:
         print("redis-server not installed: no Redis column (apt-get install redis-server)")
     print(f"server on core {SERVER_CORE}, load generator on core {LOADGEN_CORE}")
-    elockd_port, redis_port = free_port(), free_port()
-    plain_pair: Result | None = None
+    elockd_port = free_port()
     if "throughput" in run:
-        print()
-        print(
-            "| workload (50 connections) | elockd req/s | p50 / p99 µs | server CPU µs/req | "
-            "CPU s loadgen / server | RSS MiB | Redis req/s | ratio |"
+        throughput_rows(
+            loadgen, options.seconds, options.rounds, options.glockd, have_redis, options.floor
         )
-        print("|---|---|---|---|---|---|---|---|")
-        with (
-            running(elockd_command(elockd_port), elockd_port) as ours,
-            contextlib.ExitStack() as stack,
-        ):
-            theirs = (
-                stack.enter_context(running(redis_command(redis_port), redis_port))
-                if have_redis
-                else None
-            )
-            for name, args in THROUGHPUT_ROWS:
-                ours_result = run_loadgen(
-                    loadgen, "lockd", elockd_port, ours.pid, options.seconds, *args
-                )
-                redis_result = (
-                    run_loadgen(loadgen, "redis", redis_port, theirs.pid, options.seconds, *args)
-                    if theirs
-                    else None
-                )
-                print_row(name, ours_result, redis_result)
-                if plain_pair is None:
-                    plain_pair = ours_result
+    if "burst" in run:
+        with running(elockd_command(elockd_port), elockd_port) as ours:
+            burst = burst_row(elockd_port, options.burst_conns)
+        print()
+        print_burst(burst)
     if "features" in run:
         # Two servers, one plain and one with the waiters and leases, measured in
         # turn three times each: the median ratio resists a noisy neighbour.
