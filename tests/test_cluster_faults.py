@@ -334,9 +334,15 @@ async def test_killing_the_follower_a_node_uses_goes_unnoticed(nodes: Nodes) -> 
         assert (await stats(observer))["sessions_lost"] == 0
 
 
+@pytest.mark.serial
 async def test_killing_the_leader_stalls_briefly_and_grants_nothing_twice(nodes: Nodes) -> None:
     """#12: the etcd leader dies while two nodes trade one lock: a stall of less
-    than ~3.5 s, then business as usual; the recorded holds never overlap."""
+    than ~3.5 s, then business as usual; the recorded holds never overlap.
+
+    Serial: the stall is etcd's election, and with the suite's other workers
+    starving three etcd members of CPU an election was seen to take 4.7 s, past
+    the request's --etcd-timeout (CI, stop 29). Alone it takes about 2 s here.
+    """
     etcd = nodes.etcd
     victim = etcd.leader()
     # Sessions that outlive the election by far: with TTL 2 a node may, by design,
