@@ -24,11 +24,11 @@ EPSILON = 1e-9
 
 
 class Rate(NamedTuple):
-    """One request's rate: ``count`` per ``period`` seconds, ``burst`` at once, and the
+    """One request's rate: ``calls`` (the wire's COUNT) per ``period`` seconds, ``burst`` at once, and the
     request's own ``cost`` (0: a peek). Per request, as ``limit=`` is: one key may be
     asked at several rates, each request judged by its own."""
 
-    count: int
+    calls: int
     period: float
     burst: int
     cost: int = 1
@@ -36,12 +36,12 @@ class Rate(NamedTuple):
     @property
     def interval(self) -> float:
         """T: the seconds one unit of cost takes to come back."""
-        return self.period / self.count
+        return self.period / self.calls
 
     @property
     def capacity(self) -> float:
         """B·T: how far ahead of now the TAT may run."""
-        return self.burst * self.period / self.count
+        return self.burst * self.period / self.calls
 
 
 class Verdict(NamedTuple):
