@@ -664,7 +664,6 @@ class LockEngine(Bookkeeping):
         self._free_ending(now)
         if budget is None:
             budget = -1
-        self.throttles.sweep(now)
         for deadline, target in self._deadlines.due(now):
             if isinstance(target, Hold):
                 self.expired += 1
@@ -680,6 +679,7 @@ class LockEngine(Bookkeeping):
             budget -= 1
             if budget == 0:
                 break
+        self.throttles.sweep(now)  # after the turns due: a line gone frees its key
         if budget < 0:  # no budget: finish every queued free as well
             while self._ending:
                 self._free_budget = self.free_slice

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from elockd.engine.bookkeeping import Bookkeeping, QueueFull
-from elockd.engine.gcra import Rate, Verdict, admit_at, judge
+from elockd.engine.gcra import EPSILON, Rate, Verdict, admit_at, judge
 from elockd.engine.sessions import CANCELLED, GRANTED, WAITING, Session
 
 #: The key kind a throttle wait reports to the wait-time histograms (0 and 1 are
@@ -93,8 +93,9 @@ class Throttles:
         self.max_throttles = max_throttles
         self.tats: dict[bytes, float] = {}
         self.lines: dict[bytes, Line] = {}
-        # Waits by session, so that a disconnect finds its waits without a scan.
-        self.by_session: dict[Session, set[ThrottleWaiter]] = {}
+        # Waits by session, so that a disconnect finds its waits without a scan (in
+        # the order they came: a dict, not a set, so cancelling is deterministic).
+        self.by_session: dict[Session, dict[ThrottleWaiter, None]] = {}
         self.waiting = 0
         # (TAT when scheduled, key): when a key may lapse. One entry per key with
         # state; a key whose TAT moved on is put back at its new TAT when it comes up.
@@ -149,7 +150,7 @@ class Throttles:
         if line is None:
             line = self.lines[key] = OrderedDict()
         line[waiter] = None
-        self.by_session.setdefault(session, set()).add(waiter)
+        self.by_session.setdefault(session, {})[waiter] = None
         self.waiting += 1
         waiter.deadline = now + wait
         self.books.schedule(waiter.deadline, waiter)
@@ -158,9 +159,12 @@ class Throttles:
         return waiter
 
     def _arm(self, head: ThrottleWaiter, now: float) -> None:
-        """``head`` leads its line now: admit it when its rate allows (never at a
-        time already past: the rule said no at ``now``, whatever the rounding)."""
-        head.admit = max(admit_at(self.tats.get(head.key, -math.inf), head.rate), now + 1e-6)
+        """``head`` leads its line now: admit it when its rate allows. The turn is
+        set half the rule's tolerance early, so that the rule agrees when it comes
+        whatever the float rounding of either; and never at a time already past
+        (the rule said no at ``now``)."""
+        turn = admit_at(self.tats.get(head.key, -math.inf), head.rate) - EPSILON / 2
+        head.admit = max(turn, now + EPSILON)
         self.books.schedule(head.admit, head)
 
     def _set(self, key: bytes, new: float) -> None:
@@ -184,10 +188,15 @@ class Throttles:
             self._leave(waiter, now, timed_out=True)
 
     def _serve(self, key: bytes, now: float) -> None:
-        """Admit the line's head while the rate allows it, in order; arm the next."""
+        """Admit the line's head while the rate allows it, in order; arm the next.
+        A head whose wait ran out before a late timer came round times out: no
+        waiter is admitted after its wait."""
         line = self.lines.get(key)
         while line:
             head = next(iter(line))
+            if head.deadline < now:
+                self._drop(head, line, now, timed_out=True)
+                continue
             tat = self.tats.get(key, -math.inf)
             verdict, new = judge(tat, now, head.rate)
             if not verdict.admitted:
@@ -207,11 +216,20 @@ class Throttles:
     def cancel_session(self, session: Session, now: float) -> None:
         """Cancel every wait of a session whose connection is gone."""
         for waiter in list(self.by_session.get(session, ())):
-            self._leave(waiter, now, timed_out=False)
+            if waiter.state == WAITING:  # a line's turn may have ended it meanwhile
+                self._leave(waiter, now, timed_out=False)
 
     def _leave(self, waiter: ThrottleWaiter, now: float, *, timed_out: bool) -> None:
+        """A waiter leaves its line (timeout or disconnect); a new head may fit."""
         line = self.lines[waiter.key]
         was_head = next(iter(line)) is waiter
+        self._drop(waiter, line, now, timed_out=timed_out)
+        if not line:
+            del self.lines[waiter.key]
+        elif was_head:
+            self._serve(waiter.key, now)  # the next may fit at once (a cheaper one)
+
+    def _drop(self, waiter: ThrottleWaiter, line: Line, now: float, *, timed_out: bool) -> None:
         del line[waiter]
         tat = self.tats.get(waiter.key, -math.inf)
         verdict = self._behind(line, tat, now, waiter.rate)  # its 409, were it asked again
@@ -219,10 +237,6 @@ class Throttles:
             self.books.timeouts += 1
             self.books.throttled += 1
         self._finish(waiter, verdict, now, state=CANCELLED)
-        if not line:
-            del self.lines[waiter.key]
-        elif was_head:
-            self._serve(waiter.key, now)  # the next may fit at once (a cheaper one)
 
     def _finish(
         self, waiter: ThrottleWaiter, verdict: Verdict, now: float, state: int = GRANTED
@@ -232,7 +246,7 @@ class Throttles:
         self.waiting -= 1
         waits = self.by_session.get(waiter.session)
         if waits is not None:
-            waits.discard(waiter)
+            waits.pop(waiter, None)
             if not waits:
                 del self.by_session[waiter.session]
         if self.books.on_wait_end is not None:
@@ -246,24 +260,28 @@ class Throttles:
         """When a key may next lapse (its state dropped), or None."""
         return self._lapses[0][0] if self._lapses else None
 
-    def sweep(self, now: float, budget: int = 1024) -> bool:
+    def sweep(self, now: float, budget: int = 1024) -> None:
         """Drop keys whose TAT has passed and that nobody waits on (at most
-        ``budget``); True when more may be due."""
+        ``budget``). Run after the deadlines due by ``now``: a key still in line
+        then is one whose due turns the caller has yet to run (its budget ran
+        out), so it comes up again at ``now``."""
         lapses = self._lapses
         tats = self.tats
-        while lapses and lapses[0][0] <= now:
-            if budget == 0:
-                return True
+        again: list[tuple[float, bytes]] = []
+        while lapses and lapses[0][0] <= now and budget:
             budget -= 1
             _, key = heapq.heappop(lapses)
             tat = tats.get(key)
             if tat is None:
                 continue
-            if tat > now or key in self.lines:
-                heapq.heappush(lapses, (max(tat, now + 0.001), key))
+            if tat > now:
+                heapq.heappush(lapses, (tat, key))
+            elif key in self.lines:
+                again.append((now, key))
             else:
                 del tats[key]
-        return False
+        for entry in again:
+            heapq.heappush(lapses, entry)
 
     # ------------------------------------------------------------- reading
 
