@@ -11,7 +11,13 @@ in line before it is admitted by the successor, in its turn.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 from unittest.mock import patch
+
+import pytest
+import trio
 
 from elockd.backend import memory_state
 from elockd.backend import state as records
@@ -19,7 +25,12 @@ from elockd.backend.memory import ThrottleWait
 from elockd.engine.throttles import ThrottleWaiter
 from elockd.handover.state import ConnectionState
 from elockd.protocol.connection import Connection, Outcome, Service
+from tests.support.line_client import LineClient
+from tests.support.polling import eventually
 from tests.support.sansio import whole
+from tests.support.server_process import stop_server
+from tests.test_handover import ask, old_server, take_over, wait_exit
+from tests.test_handover import connect as tcp_connect
 from tests.test_handover_state import (
     HIGH_KEY,
     connect,
@@ -288,3 +299,97 @@ def test_a_state_without_throttles_has_no_throttle_records_and_restores() -> Non
     back = Connection(new, holder.peer, restorer.sessions[0])
     assert whole(back.handle(b"throttle t 1 1", 0.0)) == b"200 limit=1 remaining=0 reset=1000\r\n"
     assert whole(back.handle(b"i k", 0.0)) == b"1 Locked\r\n"
+
+
+# ------------------------------------------------------------ real processes
+
+
+@dataclass
+class ThrottledRun:
+    """Clients asking ``line`` (a throttle without wait) in a loop, each sleeping
+    the ``retry`` of a 409 before it asks again, as a polite client does: when
+    each 200 came, and any reply that was neither."""
+
+    line: bytes
+    admitted: list[float] = field(default_factory=list)
+    errors: list[bytes] = field(default_factory=list)
+    stop: trio.Event = field(default_factory=trio.Event)
+
+    async def client(self, client: LineClient) -> None:
+        while not self.stop.is_set():
+            reply = await ask(client, self.line)
+            refused = re.fullmatch(rb"409 limit=\d+ remaining=0 retry=(\d+) reset=\d+\r\n", reply)
+            if reply.startswith(b"200 "):
+                self.admitted.append(trio.current_time())
+            elif refused is not None:
+                await trio.sleep(int(refused[1]) / 1000)
+            else:
+                self.errors.append(reply)
+
+
+async def waiting_shows(client: LineClient, count: int) -> bool:
+    return (await client.stats())["waiting"] == count
+
+
+#: The run's rate: 20 per second, bursts of 10 (a lost TAT would admit 10 more at
+#: once, well past the bound).
+RATE, BURST = 20, 10
+
+
+@pytest.mark.serial
+async def test_a_handover_in_the_middle_of_a_throttled_run_keeps_the_rate(tmp_path: Path) -> None:
+    """Issue 27: four clients on one key at 20/s with bursts of 10 through a
+    hand-over admit at most ``10 + 20 * elapsed`` in all (no burst when the
+    successor starts), and a request queued before it (``wait=5``) is admitted by
+    the successor in its turn, 4.5 s after the one before it."""
+    control = tmp_path / "control.sock"
+    with old_server(control) as (old, port):
+        spender, waiter = await tcp_connect(port), await tcp_connect(port)
+        before_spent = trio.current_time()
+        assert await ask(spender, b"throttle slow 1 4.5 burst=1") == (
+            b"200 limit=1 remaining=0 reset=4500\r\n"
+        )
+        spent = trio.current_time()
+        await waiter.send(b"throttle slow 1 4.5 burst=1 wait=5\n")
+        await eventually(lambda: waiting_shows(spender, 1), what="the waiter in line")
+        run = ThrottledRun(b"throttle k %d 1 burst=%d" % (RATE, BURST))
+        clients = [await tcp_connect(port) for _ in range(4)]
+        async with trio.open_nursery() as nursery:
+            started = trio.current_time()
+            for client in clients:
+                nursery.start_soon(run.client, client)
+            await trio.sleep(0.5)
+            new = await trio.to_thread.run_sync(lambda: take_over(control))
+            try:
+                assert await wait_exit(old, 10) == 0
+                handed_over = trio.current_time()
+                with trio.fail_after(8):
+                    turn = await waiter.line()
+                answered = trio.current_time()
+                await trio.sleep(max(0.5, started + 3.0 - trio.current_time()))
+                run.stop.set()
+            except BaseException:
+                stop_server(new)
+                raise
+        ended = trio.current_time()
+        try:
+            elapsed = ended - started
+            after = sum(1 for when in run.admitted if when > handed_over)
+            print(
+                f"hand-over done {handed_over - started:.2f} s into a {elapsed:.2f} s run: "
+                f"{len(run.admitted)} admitted ({after} after it), bound "
+                f"{BURST + RATE * elapsed:.1f}; the waiter answered "
+                f"{answered - spent:.3f} s after the one before it"
+            )
+            assert run.errors == []
+            assert len(run.admitted) <= BURST + RATE * elapsed + 1, "a burst on the successor"
+            assert len(run.admitted) >= 0.7 * RATE * elapsed, "the rate stalled"
+            assert after >= 0.7 * RATE * (ended - handed_over), "the successor stalled"
+            # The waiter: admitted by the successor, in its turn.
+            assert turn == b"200 limit=1 remaining=0 reset=4500\r\n"
+            assert handed_over < answered, f"the hand-over took {handed_over - started:.2f} s"
+            assert answered - before_spent >= 4.5 - 0.005, answered - before_spent
+            assert answered - spent < 4.5 + 0.3, answered - spent
+            assert (await spender.stats())["handovers"] == 1
+        finally:
+            stop_server(new)
