@@ -45,6 +45,18 @@ class Wait(Later[Grant]):
         self.waiter = waiter
 
 
+class ThrottleWait(Later[Verdict]):
+    """A throttle request waiting in its key's line: its
+    :class:`~elockd.engine.throttles.ThrottleWaiter` is there to look at (a hand-over
+    names a parked connection's waiting request by it)."""
+
+    __slots__ = ("waiter",)
+
+    def __init__(self, run: Callable[[], Awaitable[Verdict]], waiter: ThrottleWaiter) -> None:
+        super().__init__(run, waits=True)
+        self.waiter = waiter
+
+
 class MemoryBackend(LockEngine, Backend):
     """Every lock in this process's memory; see :class:`~elockd.engine.locks.LockEngine`.
     The engine keeps its own books: it is its :class:`~elockd.engine.bookkeeping.Bookkeeping`."""
@@ -144,7 +156,7 @@ class MemoryBackend(LockEngine, Backend):
         return MemoryDump(self, now, pending)
 
     def restore(self, now: float) -> MemoryRestore:
-        return MemoryRestore(self, now, self.later_for)
+        return MemoryRestore(self, now, self.later_for, self.throttle_later)
 
     # ---------------------------------------------------------------- waiting
 
@@ -164,7 +176,7 @@ class MemoryBackend(LockEngine, Backend):
 
         return Wait(granted_or_not, waiter)
 
-    def throttle_later(self, waiter: ThrottleWaiter) -> Later[Verdict]:
+    def throttle_later(self, waiter: ThrottleWaiter) -> ThrottleWait:
         """The reply-later of a throttle request waiting in its key's line (also for
         one taken over from a predecessor)."""
 
@@ -179,7 +191,7 @@ class MemoryBackend(LockEngine, Backend):
             assert waiter.verdict is not None
             return waiter.verdict
 
-        return Later(admitted_or_not, waits=True)
+        return ThrottleWait(admitted_or_not, waiter)
 
     def _outcome(self, waiter: Waiter) -> Grant:
         if waiter.shared:

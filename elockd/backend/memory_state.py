@@ -15,10 +15,17 @@ two fall due at the same instant: a wait and the lease it waits for ending toget
 time the waiter out, or grant it the key, by which came first; two leases ending
 together hand their keys to their waiters, and fencing tokens, in that order. The
 successor sets its deadlines again in this order, so the same one runs first.
+
+The throttle table (:mod:`elockd.engine.throttles`) moves too: each key's TAT as
+time left, and each key's line of waiters in order, with their rate, time waited
+and time left, and the head's turn (when the rule admits it), with the order of
+each in the deadline heap like every other deadline. A state of a predecessor
+without throttles has no throttle records, and restores as it did.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import OrderedDict
@@ -38,18 +45,22 @@ from elockd.backend.state import (
     text,
     time_left,
 )
+from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.locks import LockEngine
 from elockd.engine.sessions import WAITING, Hold, Session, Waiter
+from elockd.engine.throttles import ThrottleWaiter
 
 #: The reply-later of a waiting request, from the backend (its ``later_for``): passed
 #: in, since the backend builds its dump and restore from this module.
 LaterFor = Callable[[Waiter], Later[Grant]]
+#: The same for a throttle request waiting in its key's line (``throttle_later``).
+ThrottleLaterFor = Callable[[ThrottleWaiter], Later[Verdict]]
 
 #: Holds per record (column by column, see _holds).
 HOLDS_BATCH = 5000
 
 
-Deadlined = Hold | Session | Waiter
+Deadlined = Hold | Session | Waiter | ThrottleWaiter
 
 
 def _holds(
@@ -86,7 +97,8 @@ class MemoryDump:
         self.now = now
         self.pending = pending
         self.places: dict[Session, int] = {}
-        self.refs: dict[Waiter, int] = {}
+        # Lock waiters first, then throttle waiters: one numbering for both.
+        self.refs: dict[Waiter | ThrottleWaiter, int] = {}
 
     def pending_ref(self, later: Any, session: Session) -> int:
         return self.refs[later.waiter]
@@ -100,6 +112,8 @@ class MemoryDump:
             "shared_orphans": engine.shared_orphans,
             "expired": engine.expired,
             "timeouts": engine.timeouts,
+            "admitted": engine.admitted,
+            "throttled": engine.throttled,
         }
         # The last field of each row with a deadline; the successor sorts by it,
         # after the pause's critical part.
@@ -125,7 +139,9 @@ class MemoryDump:
         )
         # Every waiting request, and those a parked connection still has to answer.
         waiters = {w for session in engine.sessions.values() for w in session.waiters}
-        waiters.update(later.waiter for _, later in self.pending)
+        waiters.update(
+            later.waiter for _, later in self.pending if isinstance(later.waiter, Waiter)
+        )
         refs = self.refs
         ordered = sorted(waiters, key=lambda w: w.serial)
         for waiter in ordered:
@@ -160,22 +176,91 @@ class MemoryDump:
             ),
         )
         yield from batches("ending", ([index[session], why] for session, why in engine._ending))
+        yield from self._throttles(order)
         # The next arrival serial (taking one from the counter costs nothing: serials
         # only need to grow).
         yield {"t": "engine_tail", "next_arrival": next(engine._arrivals)}
+
+    def _throttles(self, order: dict[Any, int]) -> Iterator[Record]:
+        """The throttle keys with state (a key whose TAT has passed and that nobody
+        waits on is the same as no key: it is left out), a column per field as
+        holds are; then every waiter, line by line in order, and the throttle
+        requests a parked connection still has to answer that are done already."""
+        throttles, now, refs, index = self.engine.throttles, self.now, self.refs, self.places
+        live = (
+            (key, tat) for key, tat in throttles.tats.items() if tat > now or key in throttles.lines
+        )
+        while chunk := list(itertools.islice(live, HOLDS_BATCH)):
+            yield {
+                "t": "throttle_keys",
+                "keys": b"\n".join([key for key, _ in chunk]).decode("latin-1"),
+                "tats": [tat - now for _, tat in chunk],
+            }
+        done = [
+            later.waiter
+            for _, later in self.pending
+            if isinstance(later.waiter, ThrottleWaiter) and not later.waiter.waiting
+        ]
+        waiters = [*throttles.waiters(), *done]
+        for waiter in waiters:
+            refs[waiter] = len(refs)
+        turns = self._turns() if throttles.lines else {}
+        yield from batches(
+            "throttle_waiters",
+            (
+                [
+                    index[w.session],
+                    text(w.key),
+                    *w.rate,
+                    now - w.since,
+                    w.state,
+                    None if w.verdict is None else list(w.verdict),
+                    # While it waits: its timeout, and its turn if it leads its line,
+                    # each as [time left, deadline order].
+                    [time_left(w.deadline, now), order.get(w)] if w.waiting else None,
+                    [w.admit - now, turns.get(w)] if w.waiting and w.admit != math.inf else None,
+                ]
+                for w in waiters
+            ),
+        )
+
+    def _turns(self) -> dict[ThrottleWaiter, int]:
+        """Each line head's turn, by the order its deadline-heap entry was set in
+        (its timeout's entry came first: :meth:`Deadlines.set_order` names that one).
+        A turn and a wait of the same line that fall on one instant run in this
+        order, which decides whether the waiter is admitted with the head or times
+        out just before (the turn is set again each time a new head leads)."""
+        turns: dict[ThrottleWaiter, int] = {}
+        for deadline, tiebreak, target in self.engine._deadlines._heap:
+            if (
+                isinstance(target, ThrottleWaiter)
+                and target.waiting
+                and deadline == target.admit
+                and tiebreak < turns.get(target, tiebreak + 1)
+            ):
+                turns[target] = tiebreak
+        return turns
 
 
 class MemoryRestore(RecordReader):
     """Rebuilds the tables into a fresh engine, record by record (:meth:`feed`)."""
 
-    def __init__(self, engine: LockEngine, now: float, later_for: LaterFor) -> None:
+    def __init__(
+        self,
+        engine: LockEngine,
+        now: float,
+        later_for: LaterFor,
+        throttle_later: ThrottleLaterFor,
+    ) -> None:
         if engine.sessions:
             raise StateError("the backend already has sessions")
         self.now = now
         self.engine = engine
         self.later_for = later_for
+        self.throttle_later = throttle_later
         self.sessions: list[Session] = []
         self.waiters: list[Waiter] = []
+        self.throttle_waiters: list[ThrottleWaiter] = []
         # (order, deadline, target): set once every table is in, in the old order.
         self.deadlines: list[tuple[int | None, float, Deadlined]] = []
 
@@ -188,6 +273,9 @@ class MemoryRestore(RecordReader):
         engine.shared_orphans = record["shared_orphans"]
         engine.expired = record["expired"]
         engine.timeouts = record["timeouts"]
+        # None in a state from before throttles.
+        engine.admitted = record.get("admitted", 0)
+        engine.throttled = record.get("throttled", 0)
 
     def _sessions(self, record: Record) -> None:
         engine, now = self.engine, self.now
@@ -289,6 +377,37 @@ class MemoryRestore(RecordReader):
             session.ending = True
             self.engine._ending.append((session, why))
 
+    def _throttle_keys(self, record: Record) -> None:
+        now, throttles = self.now, self.engine.throttles
+        keys, (lefts,) = self._columns(record, "tats")
+        for key, left in zip(keys, lefts, strict=True):
+            throttles.tats[key] = now + left
+            throttles._lapses.append((now + left, key))  # made a heap at the end
+
+    def _throttle_waiters(self, record: Record) -> None:
+        now, throttles = self.now, self.engine.throttles
+        for row in record["rows"]:
+            owner, key, calls, period, burst, cost, waited, state, verdict, timeout, turn = row
+            session = self.sessions[owner]
+            rate = Rate(calls, period, burst, cost)
+            waiter = ThrottleWaiter(session, raw(key), rate, now - waited)
+            waiter.state = state
+            if verdict is not None:
+                waiter.verdict = Verdict(*verdict)
+            if state == WAITING:
+                throttles.lines.setdefault(waiter.key, OrderedDict())[waiter] = None
+                throttles.by_session.setdefault(session, set()).add(waiter)
+                throttles.waiting += 1
+                left, order = timeout
+                if left is not None:
+                    waiter.deadline = now + left
+                    self.deadlines.append((order, waiter.deadline, waiter))
+                if turn is not None:
+                    left, order = turn
+                    waiter.admit = now + left
+                    self.deadlines.append((order, waiter.admit, waiter))
+            self.throttle_waiters.append(waiter)
+
     def _engine_tail(self, record: Record) -> None:
         self.engine._arrivals = itertools.count(record["next_arrival"])
         # Every deadline, in the order the old process set them (_deadline_order).
@@ -299,12 +418,15 @@ class MemoryRestore(RecordReader):
             else:
                 self.engine.schedule(deadline, target)
         self.deadlines = []
+        heapq.heapify(self.engine.throttles._lapses)
         if self.engine._ending and self.engine.on_new_deadline is not None:
             self.engine.on_new_deadline()
 
     # ------------------------------------------------------------------ the end
 
     def pending(self, ref: int) -> Any:
+        if ref >= len(self.waiters):  # throttle waiters are numbered after lock waiters
+            return self.throttle_later(self.throttle_waiters[ref - len(self.waiters)])
         return self.later_for(self.waiters[ref])
 
     def finish(self, gone: list[Session]) -> None:

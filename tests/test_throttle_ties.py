@@ -1,0 +1,42 @@
+"""A finding in the throttle engine (elockd/engine/throttles.py), left to its owner:
+a waiter whose wait ends at the very instant of its turn times out or is admitted
+depending on the order the deadline heap had the two entries in.
+
+``wait=S`` with S equal to the ``retry`` the line promised should be admitted: the
+request was queued because ``retry ≤ wait``. It is when the head's turn was set
+before the waiter's timeout (the head was first in line when it came), and it is
+not when the head became the head later (its turn then set after the waiter's
+timeout): the timeout runs first and the waiter leaves the line just before the
+serve that would have admitted it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elockd.engine.gcra import Rate
+from elockd.engine.locks import LockEngine
+from elockd.engine.sessions import CANCELLED, GRANTED
+from elockd.engine.throttles import ThrottleWaiter
+
+ONE_PER_SECOND = Rate(1, 1.0, 1)
+
+
+@pytest.mark.xfail(strict=True, reason="engine: a turn set after a tied timeout runs after it")
+def test_a_waiter_whose_wait_ends_on_its_turn_is_admitted() -> None:
+    engine = LockEngine()
+    throttles = engine.throttles
+    spender, first, second, third = (engine.open_session(f"s{n}", b"p") for n in range(4))
+    assert throttles.request(spender, b"k", 0.0, ONE_PER_SECOND, 0).admitted  # type: ignore[union-attr]
+    head = throttles.request(first, b"k", 0.0, ONE_PER_SECOND, 10)  # turn at 1
+    after = throttles.request(second, b"k", 0.0, ONE_PER_SECOND, 10)  # turn at 2, set at 1
+    # A burst of 2: it fits right after ``after``, at 2, and is told so.
+    roomy = throttles._behind(throttles.lines[b"k"], throttles.tats[b"k"], 0.0, Rate(1, 1.0, 2))
+    assert roomy.retry == 2.0
+    last = throttles.request(third, b"k", 0.0, Rate(1, 1.0, 2), 2.0)  # waits: retry ≤ wait
+    assert all(isinstance(w, ThrottleWaiter) for w in (head, after, last))
+    engine.advance(1.0)
+    engine.advance(2.0)
+    assert isinstance(after, ThrottleWaiter) and after.state == GRANTED
+    assert isinstance(last, ThrottleWaiter)
+    assert last.state == GRANTED, "timed out at its turn" if last.state == CANCELLED else last
