@@ -25,6 +25,7 @@ from elockd.backend.cluster.layout import SHARED
 from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import Grant
 from elockd.engine.bookkeeping import Bookkeeping, Sizes
+from elockd.engine.gcra import Rate
 from elockd.engine.sessions import Hold, Session
 
 if TYPE_CHECKING:
@@ -107,6 +108,23 @@ class ClusterWait:
 
 
 @dataclass(eq=False)
+class ThrottleWait:
+    """A ``throttle ... wait=S`` request of ``session`` in its key's line: its entry
+    (``etcd_key``, created at ``revision``), its rate and deadline (this node's
+    monotonic clock). Kept in the books as a lock wait is, so that a hand-over can
+    move it (docs/upgrade.md); ``suspended`` as there."""
+
+    session: ClusterSession
+    key: bytes
+    rate: Rate
+    etcd_key: bytes
+    revision: int
+    deadline: float  # by this node's clock
+    since: float
+    suspended: bool = False
+
+
+@dataclass(eq=False)
 class ClusterAnswer:
     """How a waiting request ended: its grant, or the refusal it raised. Kept with
     the request, because a hand-over may pause its connection before the reply goes
@@ -144,7 +162,7 @@ class Ledger(Bookkeeping):
         self.sessions_lost = 0
         self.local_waiting = 0
         #: The waiting request of each session that has one, by session id.
-        self.waits: dict[str, ClusterWait] = {}
+        self.waits: dict[str, ClusterWait | ThrottleWait] = {}
 
     def sizes(self) -> Sizes:
         mirror = self.mirror
@@ -182,7 +200,7 @@ class Ledger(Bookkeeping):
         if self.by_tag.get(session.tag) is session:
             del self.by_tag[session.tag]
 
-    def suspended_wait(self, session: ClusterSession) -> ClusterWait | None:
+    def suspended_wait(self, session: ClusterSession) -> ClusterWait | ThrottleWait | None:
         """The wait a hand-over stopped for ``session``, to be waited on for it."""
         wait = self.waits.get(session.id)
         if wait is None or wait.session is not session or not wait.suspended:

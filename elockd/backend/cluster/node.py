@@ -167,9 +167,12 @@ class ClusterNode:
         return self._node_lease
 
     async def _load_mirror(self) -> None:
-        queues = self.layout.queues
-        revision, kvs, _ = await self.calls.unmapped.get(queues, prefix_end(queues))
-        self.mirror.load(revision, kvs)
+        """The queues and the throttle keys, read at one revision (one txn)."""
+        queues, throttles = self.layout.queues, self.layout.throttles
+        result = await self.calls.unmapped.txn(
+            [], [range_op(queues, prefix_end(queues)), range_op(throttles, prefix_end(throttles))]
+        )
+        self.mirror.load(result.revision, [*result.kvs(0), *result.kvs(1)])
 
     # ------------------------------------------------------------------ loops
 
