@@ -222,15 +222,18 @@ def parse_tat_value(value: bytes) -> tuple[float, str]:
         return float("inf"), ""
 
 
-def waiter_value(node_id: str, units: float) -> bytes:
-    """A throttle waiter's value: its node and ``units``, its cost in seconds of the
-    key's rate (N·T), which lets a request behind it say when its own turn comes."""
-    return b"%s %r" % (node_id.encode(), units)
+def waiter_value(node_id: str, units: float, capacity: float) -> bytes:
+    """A throttle waiter's value: its node, ``units`` (its cost in seconds of its
+    rate, N·T) and ``capacity`` (B·T of its rate): enough for a request behind it to
+    say when its own turn comes (:func:`.throttle_book.behind`)."""
+    return b"%s %r %r" % (node_id.encode(), units, capacity)
 
 
-def parse_waiter_value(value: bytes) -> tuple[str, float]:
-    node, _, units = value.partition(b" ")
+def parse_waiter_value(value: bytes) -> tuple[str, float, float]:
+    """(node, units, capacity) of a waiter's value; 0 for what does not read."""
+    parts = value.split(b" ")
+    node = parts[0].decode(errors="replace")
     try:
-        return node.decode(errors="replace"), float(units)
-    except ValueError:
-        return node.decode(errors="replace"), 0.0
+        return node, float(parts[1]), float(parts[2])
+    except (ValueError, IndexError):
+        return node, 0.0, 0.0

@@ -25,7 +25,7 @@ from elockd.backend.cluster.layout import SHARED
 from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import Grant
 from elockd.engine.bookkeeping import Bookkeeping, Sizes
-from elockd.engine.gcra import Rate
+from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.sessions import Hold, Session
 
 if TYPE_CHECKING:
@@ -130,10 +130,10 @@ class ClusterAnswer:
     the request, because a hand-over may pause its connection before the reply goes
     out: the reply is then whoever serves the connection next's to send."""
 
-    grant: Grant | None = None
+    grant: Grant | Verdict | None = None
     refusal: Exception | None = None
 
-    def give(self) -> Grant:
+    def give(self) -> Grant | Verdict:
         if self.refusal is not None:
             raise self.refusal
         assert self.grant is not None
@@ -171,7 +171,8 @@ class Ledger(Bookkeeping):
             mirror.exclusive_locks(),
             mirror.shared_locks(),
             mirror.shared_holders(),
-            mirror.waiting(),
+            mirror.waiting() + mirror.throttles.waiting,
+            mirror.throttles.size(),
         )
 
     def extra_counters(self) -> dict[str, int]:

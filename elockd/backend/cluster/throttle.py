@@ -26,8 +26,6 @@ a key whose TAT moved meanwhile stays.
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
 import secrets
 import time
 from collections.abc import Callable
@@ -38,7 +36,6 @@ import trio
 
 from elockd.backend.cluster.calls import EtcdCalls
 from elockd.backend.cluster.etcd.client import (
-    KeyValue,
     TxnResult,
     compare_create,
     compare_lease,
@@ -49,55 +46,48 @@ from elockd.backend.cluster.etcd.client import (
     range_op,
     txn_op,
 )
-from elockd.backend.cluster.layout import Layout, parse_tat_value, tat_value, waiter_value
+from elockd.backend.cluster.layout import (
+    Layout,
+    parse_tat_value,
+    parse_waiter_value,
+    tat_value,
+    waiter_value,
+)
 from elockd.backend.cluster.lease import NodeLease
-from elockd.backend.cluster.ledger import ClusterSession, Ledger
+from elockd.backend.cluster.ledger import ClusterSession, Ledger, ThrottleWait
 from elockd.backend.cluster.throttle_book import (
     NO_TAT,
+    Ahead,
     ThrottleBook,
+    behind,
     head_turn,
     judge_in_line,
-    refusal,
 )
 from elockd.backend.interface import BackendUnavailable, QueueFull
 from elockd.engine.gcra import Rate, Verdict, judge
-from elockd.engine.throttles import TooManyThrottles
-
-log = logging.getLogger("elockd.cluster")
+from elockd.engine.throttles import THROTTLE_KIND, TooManyThrottles
 
 #: Swaps a request tries before it gives up (each lost one means another request
 #: on the same key was admitted meanwhile, so a busy key makes progress).
 MAX_SWAPS = 32
-#: Deletes of lapsed TATs per txn (etcd's --max-txn-ops is 128).
+#: Deletes per txn in the sweep (etcd's --max-txn-ops is 128).
 DELETES_PER_TXN = 64
+#: Seconds between two sweeps of lapsed TATs and stray line entries.
+SWEEP_PERIOD = 1.0
 
-
-@dataclass(eq=False)
-class ThrottleWait:
-    """A ``throttle ... wait=S`` request of ``session`` in its key's line: its entry
-    (``etcd_key``, created at ``revision``), its rate and deadline (this node's
-    monotonic clock). Kept in the books as a lock wait is, so that a hand-over can
-    move it (docs/upgrade.md)."""
-
-    session: ClusterSession
-    key: bytes
-    rate: Rate
-    etcd_key: bytes
-    revision: int
-    deadline: float
-    since: float
-    suspended: bool = False
+__all__ = ["ClusterThrottles", "ThrottleWait"]
 
 
 @dataclass(frozen=True, slots=True)
-class _Seen:
-    """What one transaction answered of a key: its TAT (and the revision that wrote
-    it, 0 for none), the line's cost and head, as of ``at``."""
+class Seen:
+    """A key as one look showed it (this node's copy, or a txn's reads): its TAT
+    and the revision that wrote it (0: none), its line's head and the waiters
+    ahead of the request that looks, as of revision ``at``."""
 
     tat: float
     tat_revision: int
-    queued: float
     head: bytes | None
+    ahead: list[Ahead]
     at: int
 
 
@@ -131,29 +121,31 @@ class ClusterThrottles:
 
     # ------------------------------------------------------------- the verb
 
-    async def throttle(self, session: ClusterSession, key: bytes, rate: Rate, wait: float) -> Verdict:
+    async def throttle(
+        self, session: ClusterSession, key: bytes, rate: Rate, wait: float
+    ) -> Verdict:
         if rate.cost == 0:
             return await self._peek(key, rate)
-        wall = self.wall()
-        if not self.book.has_state(key, wall) and self.book.live(wall) >= self.max_throttles:
-            raise TooManyThrottles
-        if wait > 0 and self.book.line_length(key) >= self.max_waiters:
-            raise QueueFull
-        found = self.book.tat(key)
-        tat = found.tat if found is not None else NO_TAT
-        verdict, _ = judge(tat, wall, rate)
-        if not verdict.admitted and wait <= 0:
+        book, wall = self.book, self.wall()
+        if not book.has_state(key, wall) and book.live(wall) >= self.max_throttles:
+            raise TooManyThrottles(key)
+        if wait > 0 and book.line_length(key) >= self.max_waiters:
+            raise QueueFull(key)
+        seen = self._look(key)
+        verdict, _ = judge(seen.tat, wall, rate)
+        if not verdict.admitted and verdict.retry > wait:
             # Refused on this node's copy: etcd's TAT is the same or later, never
-            # earlier, so it refuses there too (without the line, which only adds).
-            return self._answered(refusal(tat, wall, rate, self.book.queued(key)))
-        return await self._swap(session, key, rate, wait)
+            # earlier, and waiters only add to the wait; so etcd refuses it too.
+            return self._answered(judge_in_line(seen.tat, wall, rate, seen.ahead)[0])
+        if wait <= 0:
+            return await self._swap(key, rate, seen)
+        return await self._swap_or_queue(session, key, rate, wait, seen)
 
     async def _peek(self, key: bytes, rate: Rate) -> Verdict:
         """``cost=0``: changes nothing; one linearizable read of the TAT."""
         _, kvs, _ = await self.calls.get(self.layout.tat(key))
         tat = parse_tat_value(kvs[0].value)[0] if kvs else NO_TAT
-        verdict, _ = judge(tat, self.wall(), rate)
-        return self._answered(verdict)
+        return self._answered(judge(tat, self.wall(), rate)[0])
 
     def _answered(self, verdict: Verdict) -> Verdict:
         if verdict.admitted:
@@ -162,82 +154,94 @@ class ClusterThrottles:
             self.ledger.throttled += 1
         return verdict
 
-    async def _swap(self, session: ClusterSession, key: bytes, rate: Rate, wait: float) -> Verdict:
-        """Compare-and-swap the TAT until it holds or the answer is a refusal. With
-        ``wait``, the request instead joins the line in the same transaction when
-        the swap cannot be made, and waits its turn."""
-        layout = self.layout
-        tat_key, line = layout.tat(key), layout.throttle_line(key)
-        found = self.book.tat(key)
-        seen = _Seen(
+    def _look(self, key: bytes, before: int = 1 << 62, *, skip: int = 0) -> Seen:
+        book = self.book
+        found, head = book.tat(key), book.head(key)
+        return Seen(
             found.tat if found is not None else NO_TAT,
             found.revision if found is not None else 0,
-            self.book.queued(key),
-            None,
+            head.etcd_key if head is not None else None,
+            book.ahead(key, before, skip=skip),
             self.mirror_revision(),
         )
-        entry = b""
-        if wait > 0:
-            entry = layout.throttle_waiter(key, secrets.randbits(63) | 1)
-            self.live.add(entry)
-        try:
-            for _ in range(MAX_SWAPS):
-                now = self.wall()
-                verdict, after = judge_in_line(seen.tat, now, rate, seen.queued)
-                if not verdict.admitted and not wait:
-                    return self._answered(verdict)
-                guard = [
-                    compare_mod(tat_key, "==", seen.tat_revision)
-                    if seen.tat_revision
-                    else compare_create(tat_key, "==", 0),
-                    compare_create(line, "==", 0, prefix_end(line)),
-                ]
-                reads = [
-                    range_op(tat_key),
-                    range_op(line, prefix_end(line), sort_by_create=True),
-                ]
-                queue: list[dict[str, Any]] = []
-                if wait > 0:
-                    units = rate.cost * rate.interval
-                    queue = [put_op(entry, waiter_value(self.node_id, units), self.lease.current())]
-                if verdict.admitted:
-                    result = await self.calls.txn(
-                        guard, [put_op(tat_key, tat_value(after, self.node_id))], queue + reads
-                    )
-                    if result.succeeded:
-                        return self._answered(verdict)
-                else:
-                    result = await self.calls.txn([], queue + reads)
-                if wait > 0:
-                    return await self._queued(session, key, rate, wait, entry, result)
-                seen = _read(result, 0)
-            raise BackendUnavailable("throttle: too many requests on one key raced this one")
-        finally:
-            if wait > 0 and not self.ledger_keeps(session, entry):
-                self.live.discard(entry)
 
-    def ledger_keeps(self, session: ClusterSession, entry: bytes) -> bool:
-        wait = self.ledger.waits.get(session.id)
-        return isinstance(wait, ThrottleWait) and wait.etcd_key == entry and wait.suspended
+    def _guard(self, key: bytes, seen: Seen) -> list[dict[str, Any]]:
+        """The swap's compare: the TAT is the one ``seen`` judged on, and nobody
+        waits in the key's line."""
+        tat_key, line = self.layout.tat(key), self.layout.throttle_line(key)
+        return [
+            compare_mod(tat_key, "==", seen.tat_revision)
+            if seen.tat_revision
+            else compare_create(tat_key, "==", 0),
+            compare_create(line, "==", 0, prefix_end(line)),
+        ]
 
-    async def _queued(
-        self,
-        session: ClusterSession,
-        key: bytes,
-        rate: Rate,
-        wait: float,
-        entry: bytes,
-        result: TxnResult,
+    def _reads(self, key: bytes, *, head_only: bool = False) -> list[dict[str, Any]]:
+        tat_key, line = self.layout.tat(key), self.layout.throttle_line(key)
+        return [
+            range_op(tat_key),
+            range_op(line, prefix_end(line), sort_by_create=True, limit=1 if head_only else 0),
+        ]
+
+    async def _swap(self, key: bytes, rate: Rate, seen: Seen) -> Verdict:
+        """A request that does not wait: swap the TAT while the line is empty, judged
+        again on etcd's answer each time another request got there first."""
+        tat_key = self.layout.tat(key)
+        for _ in range(MAX_SWAPS):
+            now = self.wall()
+            verdict, after = judge_in_line(seen.tat, now, rate, seen.ahead)
+            if not verdict.admitted:
+                return self._answered(verdict)
+            result = await self.calls.txn(
+                self._guard(key, seen),
+                [put_op(tat_key, tat_value(after, self.node_id))],
+                self._reads(key),
+            )
+            if result.succeeded:
+                return self._answered(verdict)
+            seen = _read(result, 0)
+        raise BackendUnavailable("throttle: too many requests on one key raced this one")
+
+    async def _swap_or_queue(
+        self, session: ClusterSession, key: bytes, rate: Rate, wait: float, seen: Seen
     ) -> Verdict:
-        """The request is in line since ``result``'s revision: wait for its turn."""
-        seen = _read(result, 1)
-        queued = trio.current_time()
-        state = ThrottleWait(session, key, rate, entry, result.revision, queued + wait, queued)
-        return await self.wait_for(state, seen)
+        """A request that may wait: in one txn, admitted if the line is empty and the
+        TAT is as judged, or else put at the end of the line (so nobody who reaches
+        etcd after it goes first), then waits its turn there."""
+        entry = self.layout.throttle_waiter(key, secrets.randbits(63) | 1)
+        value = waiter_value(self.node_id, rate.cost * rate.interval, rate.capacity)
+        tat_key = self.layout.tat(key)
+        self.live.add(entry)
+        waiting = False
+        try:
+            now = self.wall()
+            verdict, after = judge_in_line(seen.tat, now, rate, seen.ahead)
+            queue = [put_op(entry, value, self.lease.current()), *self._reads(key)]
+            if verdict.admitted:
+                put = put_op(tat_key, tat_value(after, self.node_id))
+                result = await self.calls.txn(self._guard(key, seen), [put], queue)
+                if result.succeeded:
+                    return self._answered(verdict)
+            else:
+                result = await self.calls.txn([], queue)
+            since = trio.current_time()
+            state = ThrottleWait(session, key, rate, entry, result.revision, since + wait, since)
+            seen = _read(result, 1, before=result.revision)
+            if seen.head != entry:
+                mine = behind(seen.tat, self.wall(), rate, seen.ahead)
+                if mine.retry > wait:
+                    # Its turn comes after its wait: refused now, as on one server.
+                    await self._leave(state)
+                    return self._answered(mine)
+            waiting = True
+            return await self.wait_for(state, seen)
+        finally:
+            if not waiting:
+                self.live.discard(entry)
 
     # ------------------------------------------------------------- the line
 
-    async def wait_for(self, state: ThrottleWait, seen: _Seen | None = None) -> Verdict:
+    async def wait_for(self, state: ThrottleWait, seen: Seen | None = None) -> Verdict:
         """Wait in line until this request's turn (admitted) or its deadline (409);
         also a wait a hand-over stopped, here or on a predecessor, whose entry kept
         its place meanwhile. While a hand-over copies the books the outcome waits,
@@ -245,7 +249,7 @@ class ClusterThrottles:
         ledger, calls, book = self.ledger, self.calls, self.book
         self.live.add(state.etcd_key)
         state.suspended = False
-        ledger.waits[state.session.id] = state  # type: ignore[assignment]
+        ledger.waits[state.session.id] = state
         ledger.local_waiting += 1
         changed = trio.Event()
 
@@ -264,27 +268,25 @@ class ClusterThrottles:
                         if calls.frozen:
                             await calls.thawed()
                         changed = trio.Event()
-                        book.unlisten(state.key, wake)
-                        book.listen(state.key, wake)
                         due = self._due(state, seen)
                 if due is not None:
-                    break  # the deadline
+                    break  # its deadline
                 verdict, seen = await self._take_turn(state, seen)
         finally:
             book.unlisten(state.key, wake)
             ledger.local_waiting -= 1
             kept = calls.frozen or calls.handed_over
             if kept:
-                state.suspended = True
+                state.suspended = True  # its entry, place and deadline move as they are
             elif ledger.waits.get(state.session.id) is state:
-                del ledger.waits[state.session.id]  # type: ignore[arg-type]
+                del ledger.waits[state.session.id]
             if not kept:
                 if ledger.on_wait_end is not None:
-                    ledger.on_wait_end(False, trio.current_time() - state.since)
+                    ledger.on_wait_end(THROTTLE_KIND, trio.current_time() - state.since)
                 if verdict is None:
-                    # Timed out, or the peer left: out of the line (shielded, also
-                    # when this task is being cancelled). If etcd cannot be reached
-                    # now, the sweep deletes it later.
+                    # Timed out, lost, or the peer left: out of the line (shielded,
+                    # also when this task is being cancelled). If etcd cannot be
+                    # reached now, the sweep deletes it later.
                     with trio.move_on_after(calls.deadline + 1) as scope:
                         scope.shield = True
                         with contextlib.suppress(BackendUnavailable):
@@ -293,59 +295,43 @@ class ClusterThrottles:
         if verdict is not None:
             return self._answered(verdict)
         ledger.timeouts += 1
-        found = book.tat(state.key)
-        tat = found.tat if found is not None else NO_TAT
-        return self._answered(
-            refusal(tat, self.wall(), state.rate, book.queued(state.key, state.revision))
-        )
+        # Its 409, were it asked again now (behind every other waiter).
+        late = self._look(state.key, skip=state.revision)
+        return self._answered(behind(late.tat, self.wall(), state.rate, late.ahead))
 
-    def _view(self, state: ThrottleWait, seen: _Seen | None) -> _Seen:
-        """The key as the freshest of this node's copy and the last answer of etcd
-        shows it."""
+    def _view(self, state: ThrottleWait, seen: Seen | None) -> Seen:
+        """The key as the later of this node's copy and etcd's last answer show it."""
         if seen is not None and seen.at > self.mirror_revision():
             return seen
-        book = self.book
-        found = book.tat(state.key)
-        head = book.head(state.key)
-        return _Seen(
-            found.tat if found is not None else NO_TAT,
-            found.revision if found is not None else 0,
-            book.queued(state.key, state.revision),
-            head.etcd_key if head is not None else None,
-            self.mirror_revision(),
-        )
+        view = self._look(state.key, state.revision)
+        if view.at >= state.revision and not self.book.has_waiter(state.etcd_key):
+            raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
+        return view
 
-    def _due(self, state: ThrottleWait, seen: _Seen | None) -> float | None:
-        """When this node should look again (this node's monotonic clock), or None
-        when it is this waiter's turn now. Not at the head: at the deadline (a
-        change of the line wakes it sooner)."""
+    def _due(self, state: ThrottleWait, seen: Seen | None) -> float | None:
+        """When to look again (this node's monotonic clock), or None when it is this
+        waiter's turn now. Not at the head: at the deadline (a change of the key
+        wakes it sooner)."""
         view = self._view(state, seen)
-        if view.at < state.revision:
-            return state.deadline  # the copy has not seen the entry yet
-        if view.head != state.etcd_key:
-            if view.head is None or (
-                view.at >= state.revision and not self.book.has_waiter(state.etcd_key)
-                and view is not seen
-            ):
-                raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
+        if view.at < state.revision or view.head != state.etcd_key:
             return state.deadline
         now = self.wall()
         verdict, _, due = head_turn(view.tat, now, state.rate)
         if verdict is not None:
             return None
-        return trio.current_time() + (due - now)
+        return trio.current_time() + max(due - now, 1e-6)
 
     async def _take_turn(
-        self, state: ThrottleWait, seen: _Seen | None
-    ) -> tuple[Verdict | None, _Seen | None]:
-        """The head's turn has come: swap the TAT, delete the entry, in one txn that
-        also checks the entry still heads its line. (None, what etcd has) if not."""
+        self, state: ThrottleWait, seen: Seen | None
+    ) -> tuple[Verdict | None, Seen | None]:
+        """The head's turn has come: swap the TAT and delete the entry, in one txn
+        that also checks that the entry still heads its line. (None, what etcd has)
+        when the TAT moved meanwhile. Never under a lease past its local deadline."""
         self.lease.check_expiry()
         if self.lease.past_deadline():
             raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
         view = self._view(state, seen)
-        now = self.wall()
-        verdict, after, _ = head_turn(view.tat, now, state.rate)
+        verdict, after, _ = head_turn(view.tat, self.wall(), state.rate)
         if verdict is None:
             return None, view
         tat_key, line = self.layout.tat(state.key), self.layout.throttle_line(state.key)
@@ -355,15 +341,17 @@ class ClusterThrottles:
                 if view.tat_revision
                 else compare_create(tat_key, "==", 0),
                 compare_create(state.etcd_key, "==", state.revision),
+                # Every entry of the line is as young as this one or younger.
                 compare_create(line, ">", state.revision - 1, prefix_end(line)),
             ],
             [put_op(tat_key, tat_value(after, self.node_id)), delete_op(state.etcd_key)],
-            [range_op(tat_key), range_op(line, prefix_end(line), sort_by_create=True, limit=1)],
+            self._reads(state.key, head_only=True),
         )
         if result.succeeded:
             return verdict, None
         fresh = _read(result, 0, before=state.revision)
         if fresh.head != state.etcd_key:
+            # Nobody older can join a line: the entry itself is gone.
             raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
         return None, fresh
 
@@ -375,23 +363,24 @@ class ClusterThrottles:
 
     async def run(self) -> None:
         """Every second: delete the lapsed TATs this node wrote (and any lapsed
-        long ago), and this node's line entries no request waits on (a leave etcd
-        refused). Runs in the node's nursery until cancelled."""
+        long ago: their writer may be gone), and this node's line entries that no
+        request waits on (a leave etcd refused). In the node's nursery."""
         while True:
-            await trio.sleep(1.0)
+            await trio.sleep(SWEEP_PERIOD)
             if self.calls.frozen or self.calls.handed_over:
                 continue
             with contextlib.suppress(BackendUnavailable):
                 await self.sweep()
 
     async def sweep(self) -> None:
-        book = self.book
-        orphaned_after = 2.0 * self.lease.ttl
+        book, layout = self.book, self.layout
         deletes = [
-            txn_op([compare_mod(self.layout.tat(key), "==", found.revision)], [
-                delete_op(self.layout.tat(key))
-            ])
-            for key, found in book.lapsed(self.wall(), self.node_id, orphaned_after)
+            txn_op(
+                [compare_mod(layout.tat(key), "==", found.revision)],
+                [delete_op(layout.tat(key))],
+            )
+            for key, found in book.lapsed(self.wall(), self.node_id, 2.0 * self.lease.ttl)
+            if key not in book.lines
         ]
         lease = self.lease.id
         if lease:
@@ -409,31 +398,13 @@ class ClusterThrottles:
         for start in range(0, len(deletes), DELETES_PER_TXN):
             await self.calls.txn([], deletes[start : start + DELETES_PER_TXN])
 
-    # -------------------------------------------------------------- counts
 
-    def keys(self) -> int:
-        """Throttle keys with state now (``q``'s ``throttles``): TATs not yet
-        swept (lapsed ones go within a second) and keys with waiters only."""
-        book = self.book
-        return len(book.tats) + sum(1 for key in book.lines if key not in book.tats)
-
-
-def _read(result: TxnResult, first: int, *, before: int | None = None) -> _Seen:
-    """A key as a txn's two reads (its TAT, then its line oldest first) show it."""
-    tats: list[KeyValue] = result.kvs(first)
-    line: list[KeyValue] = result.kvs(first + 1)
-    tat, revision = (parse_tat_value(tats[0].value)[0], tats[0].mod_revision) if tats else (
-        NO_TAT,
-        0,
-    )
-    from elockd.backend.cluster.layout import parse_waiter_value
-
-    queued = sum(
-        parse_waiter_value(kv.value)[1]
-        for kv in line
-        if before is None or kv.create_revision < before
-    )
-    return _Seen(tat, revision, queued, line[0].key if line else None, result.revision)
-
-
-_ = math  # noqa: F841
+def _read(result: TxnResult, first: int, *, before: int = 1 << 62) -> Seen:
+    """A key as a txn's two reads show it: its TAT, then its line oldest first (the
+    waiters older than ``before`` are the ones ahead)."""
+    tats, line = result.kvs(first), result.kvs(first + 1)
+    tat, revision = NO_TAT, 0
+    if tats:
+        tat, revision = parse_tat_value(tats[0].value)[0], tats[0].mod_revision
+    ahead = [parse_waiter_value(kv.value)[1:] for kv in line if kv.create_revision < before]
+    return Seen(tat, revision, line[0].key if line else None, ahead, result.revision)

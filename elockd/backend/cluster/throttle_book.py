@@ -25,7 +25,7 @@ etcd refuses on etcd too.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from elockd.backend.cluster.etcd.client import KeyValue
@@ -36,22 +36,33 @@ from elockd.engine.gcra import Rate, Verdict, admit_at, judge
 NO_TAT = float("-inf")
 
 
-def refusal(tat: float, now: float, rate: Rate, queued: float) -> Verdict:
-    """The 409 answer of a request with ``queued`` seconds of cost (the sum of N·T
-    of the waiters ahead of it) in line before it: ``retry`` until it would pass
-    once they have, if nobody else came."""
-    base = max(tat, now)
-    after = base + queued + rate.cost * rate.interval
-    return Verdict(False, rate.burst, 0, base - now, max(0.0, after - now - rate.capacity))
+#: A waiter as a request behind it sees it: (units, capacity), N·T and B·T of its
+#: own rate.
+Ahead = tuple[float, float]
 
 
-def judge_in_line(tat: float, now: float, rate: Rate, queued: float) -> tuple[Verdict, float]:
-    """A request that does not wait (or the first look of one that may), on a key
-    at ``tat`` whose line holds ``queued`` seconds of cost: (verdict, TAT after).
-    A peek answers as :func:`judge` does, whoever waits."""
-    if queued <= 0 or rate.cost == 0:
+def behind(tat: float, now: float, rate: Rate, ahead: Sequence[Ahead]) -> Verdict:
+    """The 409 of a request that comes after the waiters ``ahead`` (oldest first),
+    each admitted at its earliest: ``retry`` until its own turn, ``reset`` as the
+    key is now (the in-memory engine's rule, :mod:`elockd.engine.throttles`)."""
+    reset = max(tat - now, 0.0)
+    when = now
+    for units, capacity in ahead:
+        when = max(when, tat + units - capacity)
+        tat = max(tat, when) + units
+    mine = max(when, admit_at(tat, rate))
+    return Verdict(False, rate.burst, 0, reset, mine - now)
+
+
+def judge_in_line(
+    tat: float, now: float, rate: Rate, ahead: Sequence[Ahead]
+) -> tuple[Verdict, float]:
+    """A request on a key at ``tat`` whose line holds ``ahead``: (verdict, TAT
+    after). With anyone in line it is refused: it never overtakes them. A peek
+    answers as :func:`~elockd.engine.gcra.judge` does, whoever waits."""
+    if not ahead or rate.cost == 0:
         return judge(tat, now, rate)
-    return refusal(tat, now, rate, queued), tat
+    return behind(tat, now, rate, ahead), tat
 
 
 def head_turn(tat: float, now: float, rate: Rate) -> tuple[Verdict | None, float, float]:
@@ -78,6 +89,7 @@ class LineEntry:
     etcd_key: bytes
     revision: int  # create revision: the place in line
     units: float  # N·T of the waiter's own rate
+    capacity: float  # B·T of it
     lease: int
     node: str
 
@@ -91,9 +103,16 @@ class Line:
         self.revisions: list[int] = []
         self.entries: dict[int, LineEntry] = {}
 
-    def ahead(self, revision: int) -> float:
-        """Seconds of cost of the waiters older than ``revision``."""
-        return sum(self.entries[r].units for r in self.revisions if r < revision)
+    def ahead(self, revision: int, *, skip: int = 0) -> list[Ahead]:
+        """The waiters older than ``revision`` (but ``skip``), oldest first."""
+        found = []
+        for r in self.revisions:
+            if r >= revision:
+                break
+            if r != skip:
+                entry = self.entries[r]
+                found.append((entry.units, entry.capacity))
+        return found
 
 
 class ThrottleBook:
@@ -128,13 +147,13 @@ class ThrottleBook:
             tat, writer = parse_tat_value(kv.value)
             self.tats[key] = Tat(tat, kv.mod_revision, writer)
         elif kv.key not in self._located:
-            node, units = parse_waiter_value(kv.value)
+            node, units, capacity = parse_waiter_value(kv.value)
             line = self.lines.get(key)
             if line is None:
                 line = self.lines[key] = Line()
             insort(line.revisions, kv.create_revision)
             line.entries[kv.create_revision] = LineEntry(
-                kv.key, kv.create_revision, units, kv.lease, node
+                kv.key, kv.create_revision, units, capacity, kv.lease, node
             )
             self._located[kv.key] = (key, kv.create_revision)
             self.waiting += 1
@@ -178,12 +197,10 @@ class ThrottleBook:
     def tat(self, key: bytes) -> Tat | None:
         return self.tats.get(key)
 
-    def queued(self, key: bytes, before: int | None = None) -> float:
-        """Seconds of cost waiting in ``key``'s line (older than ``before``)."""
+    def ahead(self, key: bytes, before: int = 1 << 62, *, skip: int = 0) -> list[Ahead]:
+        """``key``'s waiters older than ``before`` (all by default; but ``skip``)."""
         line = self.lines.get(key)
-        if line is None:
-            return 0.0
-        return line.ahead(before if before is not None else 1 << 62)
+        return [] if line is None else line.ahead(before, skip=skip)
 
     def line_length(self, key: bytes) -> int:
         line = self.lines.get(key)
@@ -192,6 +209,11 @@ class ThrottleBook:
     def head(self, key: bytes) -> LineEntry | None:
         line = self.lines.get(key)
         return None if line is None else line.entries[line.revisions[0]]
+
+    def size(self) -> int:
+        """Throttle keys with state (``q``'s ``throttles``): TATs not swept yet
+        (lapsed ones go within a second or two) and keys with waiters only."""
+        return len(self.tats) + sum(1 for key in self.lines if key not in self.tats)
 
     def has_waiter(self, etcd_key: bytes) -> bool:
         return etcd_key in self._located

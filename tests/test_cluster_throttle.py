@@ -1,0 +1,90 @@
+"""``throttle`` across elockd nodes over one real etcd (docs/cluster.md, "Throttles
+on a cluster"): the rate holds across nodes, waiters are served in arrival order
+across nodes, a peek changes nothing.
+
+Real time: etcd and the nodes are separate processes, so MockClock cannot reach
+them; every bound is generous against what etcd needs here (a few ms per txn).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import trio
+
+from tests.support.cluster_nodes import Nodes
+from tests.support.line_client import LineClient
+
+#: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
+pytestmark = pytest.mark.cluster
+
+FIELD = re.compile(rb"(\w+)=(\d+)")
+
+
+def fields(reply: bytes) -> dict[bytes, int]:
+    return {name: int(value) for name, value in FIELD.findall(reply)}
+
+
+async def q_of(client: LineClient) -> dict[bytes, bytes]:
+    await client.send(b"q\n")
+    found: dict[bytes, bytes] = {}
+    while True:
+        line = (await client.line()).rstrip(b"\r\n")
+        if line in (b"END", b"."):
+            return found
+        name, _, value = line.partition(b" ")
+        if not value:
+            name, _, value = line.partition(b":")
+        found[name.strip()] = value.strip()
+
+
+async def test_burst_across_two_nodes_then_refused_with_retry(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    first, second = await a.connect(), await b.connect()
+    for client in (first, second) * 5:
+        reply = await client.request(b"throttle api 10 60")
+        assert reply.startswith(b"200 limit=10 "), reply
+    eleventh = await first.request(b"throttle api 10 60")
+    assert eleventh.startswith(b"409 limit=10 remaining=0 "), eleventh
+    # 6 s per call; the first was admitted a few hundred ms ago at most.
+    assert 5000 <= fields(eleventh)[b"retry"] <= 6000, eleventh
+    assert 59_000 <= fields(eleventh)[b"reset"] <= 60_000, eleventh
+    twelfth = await second.request(b"throttle api 10 60")
+    assert twelfth.startswith(b"409 "), twelfth
+
+
+async def test_peek_changes_nothing(nodes: Nodes) -> None:
+    a, b = nodes.start(), nodes.start()
+    first, second = await a.connect(), await b.connect()
+    peek = await first.request(b"throttle k 3 60 cost=0")
+    assert peek == b"200 limit=3 remaining=3 reset=0", peek
+    assert (await second.request(b"throttle k 3 60 cost=2")).startswith(b"200 limit=3 remaining=1 ")
+    for _ in range(3):
+        peek = await first.request(b"throttle k 3 60 cost=0")
+        assert peek.startswith(b"200 limit=3 remaining=1 "), peek
+    assert (await first.request(b"throttle k 3 60")).startswith(b"200 limit=3 remaining=0 ")
+    assert (await second.request(b"throttle k 3 60")).startswith(b"409 ")
+
+
+async def test_waiters_admitted_in_arrival_order_across_nodes(nodes: Nodes) -> None:
+    """Costs 5, 1, 1 on an empty budget (burst 5 at 50/s: 100 ms for the 5, 20 ms
+    for each 1): the cheap ones never overtake the dear one."""
+    a, b = nodes.start(), nodes.start()
+    setup = await a.connect()
+    assert (await setup.request(b"throttle line 50 1 burst=5 cost=5")).startswith(b"200 ")
+    dear, cheap, cheaper = await a.connect(), await b.connect(), await a.connect()
+    order: list[str] = []
+
+    async def ask(client: LineClient, cost: int, name: str) -> None:
+        reply = await client.request(b"throttle line 50 1 burst=5 cost=%d wait=5" % cost)
+        assert reply.startswith(b"200 "), reply
+        order.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask, dear, 5, "dear")
+        await trio.sleep(0.05)  # in line before the next arrives
+        nursery.start_soon(ask, cheap, 1, "cheap")
+        await trio.sleep(0.05)
+        nursery.start_soon(ask, cheaper, 1, "cheaper")
+    assert order == ["dear", "cheap", "cheaper"]
