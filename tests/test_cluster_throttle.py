@@ -15,6 +15,7 @@ import trio
 
 from tests.support.cluster_nodes import Nodes
 from tests.support.line_client import LineClient
+from tests.support.polling import eventually, stats_showing
 
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
 pytestmark = pytest.mark.cluster
@@ -24,19 +25,6 @@ FIELD = re.compile(rb"(\w+)=(\d+)")
 
 def fields(reply: bytes) -> dict[bytes, int]:
     return {name: int(value) for name, value in FIELD.findall(reply)}
-
-
-async def q_of(client: LineClient) -> dict[bytes, bytes]:
-    await client.send(b"q\n")
-    found: dict[bytes, bytes] = {}
-    while True:
-        line = (await client.line()).rstrip(b"\r\n")
-        if line in (b"END", b"."):
-            return found
-        name, _, value = line.partition(b" ")
-        if not value:
-            name, _, value = line.partition(b":")
-        found[name.strip()] = value.strip()
 
 
 async def test_burst_across_two_nodes_then_refused_with_retry(nodes: Nodes) -> None:
@@ -90,6 +78,83 @@ async def test_waiters_admitted_in_arrival_order_across_nodes(nodes: Nodes) -> N
     assert order == ["dear", "cheap", "cheaper"]
 
 
+async def test_wait_times_out_leaves_the_line_and_the_next_goes_on(nodes: Nodes) -> None:
+    """A waiter that runs out gets the 409 with a fresh retry and leaves its line
+    (counted in timeouts and throttled); the waiter behind it is not blocked; a
+    waiter whose client leaves changes nothing else."""
+    a, b = nodes.start(), nodes.start()
+    first, second, third, gone = (
+        await a.connect(),
+        await b.connect(),
+        await a.connect(),
+        await b.connect(),
+    )
+    # 2 per second, burst 1: each unit comes back after 0.5 s.
+    assert (await first.request(b"throttle t 2 1 burst=1")).startswith(b"200 ")
+    await gone.send(b"throttle t 2 1 burst=1 wait=5\n")  # head of the line, then leaves
+    await eventually(lambda: stats_showing(first, waiting=1))
+    await gone.aclose()
+    await eventually(lambda: stats_showing(first, waiting=0))
+    # Its departure took nothing: the key is as busy as before.
+    refused = await second.request(b"throttle t 2 1 burst=1")
+    assert refused.startswith(b"409 "), refused
+    # A waiter whose node stops (SIGSTOP, well within its lease) holds up the one
+    # behind it on the other node, which runs out: 409 with a fresh retry, and out
+    # of the line.
+    await eventually(lambda: stats_showing(first, waiting=0))
+    await trio.sleep(0.6)  # the key is free again
+    assert (await first.request(b"throttle t 2 1 burst=1")).startswith(b"200 ")
+    await third.send(b"throttle t 2 1 burst=1 wait=5\n")
+    await eventually(lambda: stats_showing(second, waiting=1))
+    a.stop()
+    try:
+        timed_out = await second.request(b"throttle t 2 1 burst=1 wait=1.2")
+        assert timed_out.startswith(b"409 limit=1 remaining=0 retry="), timed_out
+        stats = await second.stats()
+        assert stats["timeouts"] == 1
+        assert stats["throttled"] == 2
+    finally:
+        a.cont()
+    admitted = (await third.line()).rstrip()
+    assert admitted.startswith(b"200 limit=1 "), admitted
+    await eventually(lambda: stats_showing(second, waiting=0))
+
+
+@pytest.mark.serial  # a sub-100 ms bound on real processes: run alone
+async def test_waiter_admitted_at_its_turn(nodes: Nodes) -> None:
+    """``throttle api 10 60`` ten times, then an 11th with ``wait=7`` through the
+    other node: admitted 6 s after the first, within 100 ms."""
+    a, b = nodes.start(), nodes.start()
+    first, second = await a.connect(), await b.connect()
+    start = trio.current_time()
+    for _ in range(10):
+        assert (await first.request(b"throttle api 10 60")).startswith(b"200 ")
+    reply = await second.request(b"throttle api 10 60 wait=7")
+    waited = trio.current_time() - start
+    assert reply.startswith(b"200 limit=10 remaining=0 "), reply
+    assert 5.95 <= waited <= 6.1, waited
+
+
+async def test_max_throttles_and_counters(nodes: Nodes) -> None:
+    """--max-throttles bounds the keys with state; q counts them, admitted and
+    throttled; a lapsed key's state is dropped and makes room again."""
+    a = nodes.start("--max-throttles", "2")
+    client = await a.connect()
+    assert (await client.request(b"throttle k1 10 1")).startswith(b"200 ")
+    assert (await client.request(b"throttle k2 1 60")).startswith(b"200 ")
+    assert (await client.request(b"throttle k2 1 60")).startswith(b"409 ")
+    await eventually(lambda: stats_showing(client, throttles=2))
+    assert await client.request(b"throttle k3 1 60") == b"413 Too Many Throttles"
+    peek = await client.request(b"throttle k2 1 60 cost=0")
+    assert peek.startswith(b"200 limit=1 remaining=0 "), peek
+    stats = await client.stats()
+    assert stats["admitted"] == 2  # a peek counts in neither (as in memory)
+    assert stats["throttled"] == 1
+    # k1's TAT lapses 0.1 s after it was set; its writer deletes it within a sweep.
+    await eventually(lambda: stats_showing(client, throttles=1), timeout=5)
+    assert (await client.request(b"throttle k3 1 60")).startswith(b"200 ")
+
+
 #: The acceptance run's length (issue 27: 10 s).
 RUN_SECONDS = 10.0
 
@@ -97,7 +162,7 @@ RUN_SECONDS = 10.0
 @pytest.mark.serial  # a rate over wall time, on real processes: run alone
 async def test_rate_holds_across_two_nodes_under_contention(nodes: Nodes) -> None:
     """20 clients on two nodes, one key at 50/s with burst 5, for RUN_SECONDS: at
-    most ``5 + 50 × elapsed`` admitted, and at least 90 % of it. Half the clients
+    most ``5 + 50 * elapsed`` admitted, and at least 90 % of it. Half the clients
     wait in line (wait=1), half ask without waiting and sleep the ``retry`` they are
     told."""
     a, b = nodes.start(), nodes.start()

@@ -142,10 +142,11 @@ class ClusterThrottles:
         return await self._swap_or_queue(session, key, rate, wait, seen)
 
     async def _peek(self, key: bytes, rate: Rate) -> Verdict:
-        """``cost=0``: changes nothing; one linearizable read of the TAT."""
+        """``cost=0``: changes nothing, counts in nothing (as in memory); one
+        linearizable read of the TAT."""
         _, kvs, _ = await self.calls.get(self.layout.tat(key))
         tat = parse_tat_value(kvs[0].value)[0] if kvs else NO_TAT
-        return self._answered(judge(tat, self.wall(), rate)[0])
+        return judge(tat, self.wall(), rate)[0]
 
     def _answered(self, verdict: Verdict) -> Verdict:
         if verdict.admitted:
