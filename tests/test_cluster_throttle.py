@@ -9,6 +9,7 @@ them; every bound is generous against what etcd needs here (a few ms per txn).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import trio
@@ -16,6 +17,8 @@ import trio
 from tests.support.cluster_nodes import Nodes
 from tests.support.line_client import LineClient
 from tests.support.polling import eventually, stats_showing
+from tests.support.server_process import stop_server
+from tests.test_handover import connect, old_server, take_over, wait_exit
 
 #: Needs a real etcd cluster: `pytest -m "not cluster"` leaves this module out.
 pytestmark = pytest.mark.cluster
@@ -153,6 +156,42 @@ async def test_max_throttles_and_counters(nodes: Nodes) -> None:
     # k1's TAT lapses 0.1 s after it was set; its writer deletes it within a sweep.
     await eventually(lambda: stats_showing(client, throttles=1), timeout=5)
     assert (await client.request(b"throttle k3 1 60")).startswith(b"200 ")
+
+
+async def test_waiters_move_with_a_hand_over_and_keep_their_turn(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """Throttle waiters of a node that hands over: one of its own and one of another
+    node's behind it; after the hand-over they are admitted in their order at their
+    turns, and the rate has no burst (the TAT never left etcd)."""
+    control = tmp_path / "control.sock"
+    other = nodes.start()
+    with old_server(control, *nodes.flags()) as (old, port):
+        taker, mine, theirs = await connect(port), await connect(port), await other.connect()
+        start = trio.current_time()
+        assert (await taker.request(b"throttle h 1 3 burst=1")).startswith(b"200 ")
+        await mine.send(b"throttle h 1 3 burst=1 wait=10\n")
+        await eventually(lambda: stats_showing(theirs, waiting=1))
+        await theirs.send(b"throttle h 1 3 burst=1 wait=10\n")
+        await eventually(lambda: stats_showing(taker, waiting=2))
+        new = await trio.to_thread.run_sync(lambda: take_over(control, *nodes.flags()))
+        try:
+            assert await wait_exit(old, 10) == 0
+            refused = await taker.request(b"throttle h 1 3 burst=1")  # the successor's
+            assert refused.startswith(b"409 "), refused
+            with trio.fail_after(10):
+                first = await mine.line()
+            first_at = trio.current_time() - start
+            assert first.startswith(b"200 limit=1 "), first
+            with trio.fail_after(10):
+                second = await theirs.line()
+            second_at = trio.current_time() - start
+            assert second.startswith(b"200 limit=1 "), second
+            assert 2.9 <= first_at <= 4.0, first_at
+            assert 5.9 <= second_at <= 7.0, second_at
+            assert (await taker.stats())["sessions_lost"] == 0
+        finally:
+            stop_server(new)
 
 
 #: The acceptance run's length (issue 27: 10 s).
