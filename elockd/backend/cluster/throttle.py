@@ -228,12 +228,12 @@ class ClusterThrottles:
             since = trio.current_time()
             state = ThrottleWait(session, key, rate, entry, result.revision, since + wait, since)
             seen = _read(result, 1, before=result.revision)
-            if seen.head != entry:
-                mine = behind(seen.tat, self.wall(), rate, seen.ahead)
-                if mine.retry > wait:
-                    # Its turn comes after its wait: refused now, as on one server.
-                    await self._leave(state)
-                    return self._answered(mine)
+            mine = behind(seen.tat, self.wall(), rate, seen.ahead)
+            if mine.retry > wait:
+                # Its turn, as etcd now shows the key, comes after its wait (the
+                # copy judged on trailed etcd): refused now, as on one server.
+                await self._leave(state)
+                return self._answered(mine)
             waiting = True
             return await self.wait_for(state, seen)
         finally:
