@@ -401,6 +401,7 @@ def make_cluster_backend(config: Config) -> Backend:
         session_ttl=config.session_ttl,
         max_waiters=config.max_waiters,
         max_holds=config.max_holds,
+        max_throttles=config.max_throttles,
     )
 
 

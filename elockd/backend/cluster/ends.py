@@ -20,8 +20,9 @@ from collections.abc import Sequence
 import trio
 
 from elockd.backend.cluster.calls import EtcdCalls
+from elockd.backend.cluster.etcd.client import compare_create, delete_op
 from elockd.backend.cluster.lease import NodeLease
-from elockd.backend.cluster.ledger import ClusterHold, ClusterSession, Ledger
+from elockd.backend.cluster.ledger import ClusterHold, ClusterSession, Ledger, ThrottleWait
 from elockd.backend.cluster.mirror import QueueMirror
 from elockd.backend.cluster.records import SessionRecords
 from elockd.engine.bookkeeping import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED
@@ -130,7 +131,15 @@ class SessionEnds:
         session.abort = None
         records = self.records
         stopped = self.ledger.suspended_wait(session)
-        if stopped is not None:
+        if isinstance(stopped, ThrottleWait):
+            # A throttle wait a failed hand-over kept: out of its line, nothing else.
+            del self.ledger.waits[session.id]
+            entry, revision = stopped.etcd_key, stopped.revision
+            self.calls.spawn(
+                lambda: self.calls.txn([compare_create(entry, "==", revision)], [delete_op(entry)]),
+                "end a throttle wait",
+            )
+        elif stopped is not None:
             # A wait a failed hand-over kept, whose client left before asking again.
             del self.ledger.waits[session.id]
             session.pending.difference_update(stopped.entries)

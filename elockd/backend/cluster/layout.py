@@ -11,7 +11,13 @@
     a node's heartbeat, bound to a short node lease: a session whose node's
     heartbeat is gone may be taken over (``conn_id``) on another node;
 ``<root>meta/token_floor``
-    added to every etcd revision to make a fencing token (see :mod:`.ledger`).
+    added to every etcd revision to make a fencing token (see :mod:`.ledger`);
+``<root>t/tat/<hex key>``
+    a throttle key's TAT on the wall clock and the node that wrote it
+    (:func:`tat_value`), bound to no lease (a rate outlives the node that admitted);
+``<root>t/wait/<hex key>/<waiter id hex>``
+    a ``throttle ... wait=S`` request in its key's line, bound to the lease of the
+    node serving it; the line is ordered by create revision (:mod:`.throttle`).
 
 Queue entries and records are bound to the etcd lease of the node that serves
 their session (one lease per node, not per session: keepalive traffic grows with
@@ -55,6 +61,9 @@ class Layout:
         self.sessions = root + b"s/"
         self.nodes = root + b"n/"
         self.token_floor = root + b"meta/token_floor"
+        self.throttles = root + b"t/"
+        self.tats = root + b"t/tat/"
+        self.throttle_lines = root + b"t/wait/"
 
     def queue_prefix(self, kind: bytes, key: bytes) -> bytes:
         return b"%s%s/%s/" % (self.queues, kind, key.hex().encode())
@@ -73,6 +82,30 @@ class Layout:
             return EntryName(parts[0], bytes.fromhex(parts[1].decode()), int(parts[2], 16))
         except ValueError:
             return None
+
+    def tat(self, key: bytes) -> bytes:
+        """Where a throttle key's TAT lives."""
+        return self.tats + key.hex().encode()
+
+    def throttle_line(self, key: bytes) -> bytes:
+        """The prefix of a throttle key's line of waiters."""
+        return b"%s%s/" % (self.throttle_lines, key.hex().encode())
+
+    def throttle_waiter(self, key: bytes, waiter: int) -> bytes:
+        return b"%s%x" % (self.throttle_line(key), waiter)
+
+    def parse_throttle(self, etcd_key: bytes) -> tuple[bytes, int | None] | None:
+        """(throttle key, waiter id) of a waiter's etcd key, (throttle key, None) of a
+        TAT's; None for anything else."""
+        try:
+            if etcd_key.startswith(self.tats):
+                return bytes.fromhex(etcd_key[len(self.tats) :].decode()), None
+            if etcd_key.startswith(self.throttle_lines):
+                name, _, waiter = etcd_key[len(self.throttle_lines) :].partition(b"/")
+                return bytes.fromhex(name.decode()), int(waiter, 16)
+        except ValueError:
+            return None
+        return None
 
     def session_record(self, session_id: str) -> bytes:
         return self.sessions + hashlib.sha256(session_id.encode()).hexdigest().encode()
@@ -171,3 +204,36 @@ def parse_record(value: bytes) -> SessionRecord:
     except ValueError:
         tag = 0
     return SessionRecord(node, connected, grace_ms, tag)
+
+
+def tat_value(tat: float, node_id: str) -> bytes:
+    """A TAT's value: the wall-clock time (``repr``, so it reads back exactly) and
+    the node that wrote it (which deletes it once it lapses)."""
+    return b"%r %s" % (tat, node_id.encode())
+
+
+def parse_tat_value(value: bytes) -> tuple[float, str]:
+    """(TAT, writer) of a TAT's value. A malformed one reads as far in the future
+    with no writer: it then refuses (safe) until an operator deletes it."""
+    tat, _, writer = value.partition(b" ")
+    try:
+        return float(tat), writer.decode(errors="replace")
+    except ValueError:
+        return float("inf"), ""
+
+
+def waiter_value(node_id: str, units: float, capacity: float) -> bytes:
+    """A throttle waiter's value: its node, ``units`` (its cost in seconds of its
+    rate, N·T) and ``capacity`` (B·T of its rate): enough for a request behind it to
+    say when its own turn comes (:func:`.throttle_book.behind`)."""
+    return b"%s %r %r" % (node_id.encode(), units, capacity)
+
+
+def parse_waiter_value(value: bytes) -> tuple[str, float, float]:
+    """(node, units, capacity) of a waiter's value; 0 for what does not read."""
+    parts = value.split(b" ")
+    node = parts[0].decode(errors="replace")
+    try:
+        return node, float(parts[1]), float(parts[2])
+    except (ValueError, IndexError):
+        return node, 0.0, 0.0

@@ -25,6 +25,7 @@ from elockd.backend.cluster.layout import SHARED
 from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import Grant
 from elockd.engine.bookkeeping import Bookkeeping, Sizes
+from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.sessions import Hold, Session
 
 if TYPE_CHECKING:
@@ -107,15 +108,32 @@ class ClusterWait:
 
 
 @dataclass(eq=False)
+class ThrottleWait:
+    """A ``throttle ... wait=S`` request of ``session`` in its key's line: its entry
+    (``etcd_key``, created at ``revision``), its rate and deadline (this node's
+    monotonic clock). Kept in the books as a lock wait is, so that a hand-over can
+    move it (docs/upgrade.md); ``suspended`` as there."""
+
+    session: ClusterSession
+    key: bytes
+    rate: Rate
+    etcd_key: bytes
+    revision: int
+    deadline: float  # by this node's clock
+    since: float
+    suspended: bool = False
+
+
+@dataclass(eq=False)
 class ClusterAnswer:
     """How a waiting request ended: its grant, or the refusal it raised. Kept with
     the request, because a hand-over may pause its connection before the reply goes
     out: the reply is then whoever serves the connection next's to send."""
 
-    grant: Grant | None = None
+    grant: Grant | Verdict | None = None
     refusal: Exception | None = None
 
-    def give(self) -> Grant:
+    def give(self) -> Grant | Verdict:
         if self.refusal is not None:
             raise self.refusal
         assert self.grant is not None
@@ -144,7 +162,7 @@ class Ledger(Bookkeeping):
         self.sessions_lost = 0
         self.local_waiting = 0
         #: The waiting request of each session that has one, by session id.
-        self.waits: dict[str, ClusterWait] = {}
+        self.waits: dict[str, ClusterWait | ThrottleWait] = {}
 
     def sizes(self) -> Sizes:
         mirror = self.mirror
@@ -153,7 +171,8 @@ class Ledger(Bookkeeping):
             mirror.exclusive_locks(),
             mirror.shared_locks(),
             mirror.shared_holders(),
-            mirror.waiting(),
+            mirror.waiting() + mirror.throttles.waiting,
+            mirror.throttles.size(),
         )
 
     def extra_counters(self) -> dict[str, int]:
@@ -182,7 +201,7 @@ class Ledger(Bookkeeping):
         if self.by_tag.get(session.tag) is session:
             del self.by_tag[session.tag]
 
-    def suspended_wait(self, session: ClusterSession) -> ClusterWait | None:
+    def suspended_wait(self, session: ClusterSession) -> ClusterWait | ThrottleWait | None:
         """The wait a hand-over stopped for ``session``, to be waited on for it."""
         wait = self.waits.get(session.id)
         if wait is None or wait.session is not session or not wait.suspended:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from elockd.backend.cluster.etcd.client import Event, KeyValue
 from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, EntryValue, Layout, parse_entry_value
+from elockd.backend.cluster.throttle_book import ThrottleBook
 
 QueueId = tuple[bytes, bytes]  # (kind, lock name)
 
@@ -192,6 +193,8 @@ class QueueMirror:
         self.replay_until = 0
         self._deferred: set[ClusterWaiter] = set()  # would be granted, once caught up
         self.on_other = on_other  # events on keys that are not queue entries
+        #: The throttle keys (``<root>t/``), fed by the same watch.
+        self.throttles = ThrottleBook(layout)
         self._reset_counts()
 
     def _reset_counts(self) -> None:
@@ -212,9 +215,13 @@ class QueueMirror:
         self.by_tag.clear()
         self._deferred.clear()  # judged again below, on the fresh state
         self._reset_counts()
+        self.throttles.clear()
         self.revision = revision
         for kv in kvs:
-            self._put(kv)
+            if self.throttles.owns(kv.key):
+                self.throttles.put(kv)
+            else:
+                self._put(kv)
         for waiters in list(self._waiters.values()):
             for waiter in list(waiters):
                 self._judge(waiter)
@@ -231,7 +238,12 @@ class QueueMirror:
                     self._judge_touched(touched)
                 self.revision = kv.mod_revision
             if not kv.key.startswith(self.layout.queues):
-                if self.on_other is not None:
+                if self.throttles.owns(kv.key):
+                    if event.type == "DELETE":
+                        self.throttles.delete(kv.key)
+                    else:
+                        self.throttles.put(kv)
+                elif self.on_other is not None:
                     self.on_other(event)
                 continue
             if event.type == "DELETE":

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -82,6 +83,9 @@ class ClusterNode:
         #: Sessions taken over whose connection could not move (TLS): they end by
         #: their usual rules once the node runs, since ending writes to etcd.
         self.ended_at_join: list[ClusterSession] = []
+        #: Loops of other parts that run beside the node's own once it has joined
+        #: (the throttles' sweep).
+        self.loops: list[Callable[[], Awaitable[None]]] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Join the cluster, then keep leases alive and the mirror current until
@@ -111,6 +115,8 @@ class ClusterNode:
                 nursery.start_soon(self._keep_alive)
                 nursery.start_soon(self._heartbeat)
                 nursery.start_soon(self.lease.enforce_deadline)
+                for loop in self.loops:
+                    nursery.start_soon(loop)
                 for session in self.ended_at_join:
                     self.ends.disconnect(session, trio.current_time())
                 self.ended_at_join = []
@@ -167,9 +173,12 @@ class ClusterNode:
         return self._node_lease
 
     async def _load_mirror(self) -> None:
-        queues = self.layout.queues
-        revision, kvs, _ = await self.calls.unmapped.get(queues, prefix_end(queues))
-        self.mirror.load(revision, kvs)
+        """The queues and the throttle keys, read at one revision (one txn)."""
+        queues, throttles = self.layout.queues, self.layout.throttles
+        result = await self.calls.unmapped.txn(
+            [], [range_op(queues, prefix_end(queues)), range_op(throttles, prefix_end(throttles))]
+        )
+        self.mirror.load(result.revision, [*result.kvs(0), *result.kvs(1)])
 
     # ------------------------------------------------------------------ loops
 

@@ -38,13 +38,20 @@ from elockd.backend.cluster.ends import SessionEnds, SessionLoss
 from elockd.backend.cluster.etcd.client import EtcdClient
 from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, Layout, parse_entry_value
 from elockd.backend.cluster.lease import NodeLease
-from elockd.backend.cluster.ledger import ClusterAnswer, ClusterHold, ClusterSession, Ledger
+from elockd.backend.cluster.ledger import (
+    ClusterAnswer,
+    ClusterHold,
+    ClusterSession,
+    Ledger,
+    ThrottleWait,
+)
 from elockd.backend.cluster.mirror import QueueMirror
 from elockd.backend.cluster.node import ClusterNode
 from elockd.backend.cluster.recipe import LockRecipe
 from elockd.backend.cluster.records import SessionRecords
 from elockd.backend.cluster.state import ClusterDump, ClusterRestore, WaitingRequest
 from elockd.backend.cluster.takeover import Takeover
+from elockd.backend.cluster.throttle import ClusterThrottles
 from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import (
     Backend,
@@ -55,6 +62,7 @@ from elockd.backend.interface import (
     Later,
     QueueFull,
     TooManyHolds,
+    TooManyThrottles,
 )
 from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.sessions import Session
@@ -77,6 +85,7 @@ class ClusterLockSpace(Backend):
         session_ttl: int = 5,
         max_waiters: int = 10_000,
         max_holds: int = 10_000,
+        max_throttles: int = 1_000_000,
     ) -> None:
         self.client = client  # the server closes it; only calls (below) calls it
         self.layout = layout = Layout(root)
@@ -98,7 +107,19 @@ class ClusterLockSpace(Backend):
         calls.on_lease_gone = lease.gone
         mirror.on_other = records.record_changed
         self.recipe = LockRecipe(calls, ledger, layout, mirror, lease, records, max_waiters)
+        self.throttles = ClusterThrottles(
+            calls,
+            ledger,
+            layout,
+            mirror.throttles,
+            lambda: mirror.revision,
+            lease,
+            node_id,
+            max_throttles=max_throttles,
+            max_waiters=max_waiters,
+        )
         self.node = ClusterNode(calls, ledger, layout, mirror, lease, records, ends, node_id)
+        self.node.loops.append(self.throttles.run)
 
     @property
     def books(self) -> Ledger:
@@ -182,7 +203,7 @@ class ClusterLockSpace(Backend):
         return self.waiting_request(_ours(session), start) if wait > 0 else Later(start)
 
     def waiting_request(
-        self, session: ClusterSession, start: Callable[[], Awaitable[Grant]] | None
+        self, session: ClusterSession, start: Callable[[], Awaitable[Any]] | None
     ) -> WaitingRequest:
         """A request that waits for a grant, as a hand-over can stop and move it
         (docs/upgrade.md). Asked again (after a failed hand-over, or on the
@@ -190,24 +211,27 @@ class ClusterLockSpace(Backend):
         waits on where its wait stood."""
         ledger, calls = self.ledger, self.calls
 
-        async def run() -> Grant:
+        async def run() -> Any:
             if request.answer is not None:
                 grant = request.answer.give()
-                if grant.granted:
+                if isinstance(grant, Grant) and grant.granted:
                     # Granted before a pause, told only now (here, or on a
-                    # successor): still within the lease's deadline?
+                    # successor): still within the lease's deadline? (An admitted
+                    # throttle holds nothing: etcd has its new TAT already.)
                     self.lease.confirm(session)
                 return grant
             stopped = ledger.suspended_wait(session)
             with calls.busy():
                 try:
-                    if stopped is not None:
+                    if isinstance(stopped, ThrottleWait):
+                        grant = await self.throttles.wait_for(stopped)
+                    elif stopped is not None:
                         grant = await self.recipe.wait_for(stopped)
                     elif start is not None:
                         grant = await start()
                     else:
                         raise BackendUnavailable("the waiting request did not come along")
-                except (BackendUnavailable, QueueFull, TooManyHolds) as refusal:
+                except (BackendUnavailable, QueueFull, TooManyHolds, TooManyThrottles) as refusal:
                     request.answer = ClusterAnswer(refusal=refusal)
                     raise
                 request.answer = ClusterAnswer(grant)
@@ -253,12 +277,15 @@ class ClusterLockSpace(Backend):
     def throttle(
         self, session: Session, key: bytes, now: float, rate: Rate, *, wait: float
     ) -> Later[Verdict]:
-        """Not on a cluster yet: refused as the backend being unable to decide."""
+        """``throttle``: a compare-and-swap of the key's TAT in etcd (``now``, this
+        node's monotonic clock, is not used: a cluster's TATs are on the wall
+        clock, see :mod:`.throttle`). A request that may wait is one a hand-over
+        can move, as a lock wait is."""
 
-        async def run() -> Verdict:
-            raise BackendUnavailable("throttle is not served by a cluster node yet")
+        def start() -> Awaitable[Verdict]:
+            return self.throttles.throttle(_ours(session), key, rate, wait)
 
-        return Later(run)
+        return self.waiting_request(_ours(session), start) if wait > 0 else Later(start)
 
     # ------------------------------------------- hand-over (docs/upgrade.md)
 
@@ -281,6 +308,7 @@ class ClusterLockSpace(Backend):
         heartbeat lease says it lives, and its sessions hang on its lease (which the
         node renews as it joins)."""
         self.node_id = self.records.node_id = self.node.node_id = node_id
+        self.throttles.node_id = node_id
         self.node.adopted_lease = heartbeat_lease
         self.node.adopted_sessions_lease = sessions_lease
 

@@ -30,8 +30,10 @@ from elockd.backend.cluster.ledger import (
     ClusterSession,
     ClusterWait,
     Ledger,
+    ThrottleWait,
 )
 from elockd.backend.cluster.node import ClusterNode
+from elockd.backend.cluster.throttle import ClusterThrottles
 from elockd.backend.interface import REFUSALS, Grant, Later
 from elockd.backend.state import (
     SESSION_FIELDS,
@@ -45,6 +47,7 @@ from elockd.backend.state import (
     text,
     time_left,
 )
+from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.sessions import Session
 
 
@@ -63,19 +66,22 @@ class ClusterLockSpace(Protocol):
 
     def adopt_identity(self, node_id: str, heartbeat_lease: int, sessions_lease: int) -> None: ...
 
+    @property
+    def throttles(self) -> ClusterThrottles: ...
+
     def waiting_request(
-        self, session: ClusterSession, start: Callable[[], Awaitable[Grant]] | None
+        self, session: ClusterSession, start: Callable[[], Awaitable[Any]] | None
     ) -> WaitingRequest: ...
 
 
-class WaitingRequest(Later[Grant]):
+class WaitingRequest(Later[Any]):
     """A waiting request, with its answer once it has one: a hand-over may pause its
     connection before the reply goes out, and the answer moves with it
     (:meth:`~elockd.backend.cluster.space.ClusterLockSpace.waiting_request`)."""
 
     __slots__ = ("answer",)
 
-    def __init__(self, run: Callable[[], Awaitable[Grant]]) -> None:
+    def __init__(self, run: Callable[[], Awaitable[Any]]) -> None:
         super().__init__(run, waits=True)
         self.answer: ClusterAnswer | None = None
 
@@ -155,7 +161,12 @@ class ClusterDump:
                     ]
 
         yield from batches("cluster_holds", hold_rows())
-        waits = [w for w in ledger.waits.values() if w.session in index]
+        waits = [
+            w for w in ledger.waits.values() if w.session in index and isinstance(w, ClusterWait)
+        ]
+        throttle_waits = [
+            w for w in ledger.waits.values() if w.session in index and isinstance(w, ThrottleWait)
+        ]
         yield from batches(
             "cluster_waits",
             (
@@ -172,6 +183,22 @@ class ClusterDump:
                 for w in waits
             ),
         )
+        # A throttle waiter's entry keeps its place in its key's line in etcd.
+        yield from batches(
+            "cluster_throttle_waits",
+            (
+                [
+                    index[w.session],
+                    text(w.key),
+                    [w.rate.calls, w.rate.period, w.rate.burst, w.rate.cost],
+                    text(w.etcd_key),
+                    w.revision,
+                    w.deadline - now,
+                    now - w.since,
+                ]
+                for w in throttle_waits
+            ),
+        )
         # A connection's waiting request: its answer, if it got one before it could
         # be sent, or else its session's one wait in the books.
         answered = [
@@ -180,7 +207,7 @@ class ClusterDump:
             if isinstance(request, WaitingRequest) and request.answer is not None
         ]
         yield from batches("cluster_answers", iter(answered))
-        self.waiting = {w.session.id for w in waits}
+        self.waiting = {w.session.id for w in waits} | {w.session.id for w in throttle_waits}
 
 
 #: The refusals a waiting request's answer can carry, by name.
@@ -192,6 +219,8 @@ def _answer_row(answer: ClusterAnswer) -> list[Any]:
         return ["refused", type(answer.refusal).__name__, str(answer.refusal)]
     grant = answer.grant
     assert grant is not None
+    if isinstance(grant, Verdict):
+        return ["verdict", *grant]
     return ["grant", grant.granted, grant.count, [text(k) for k in grant.blocked]]
 
 
@@ -201,6 +230,8 @@ def _answer(row: list[Any]) -> ClusterAnswer:
         if kind is None:
             raise StateError(f"unknown refusal {row[1]!r}")
         return ClusterAnswer(refusal=kind(row[2]))
+    if row[0] == "verdict":
+        return ClusterAnswer(Verdict(*row[1:]))
     granted, count, blocked = row[1:]
     return ClusterAnswer(Grant(granted, count, [raw(k) for k in blocked]))
 
@@ -291,6 +322,21 @@ class ClusterRestore(RecordReader):
             wait.suspended = True  # its connection's next task waits on for it
             space.ledger.waits[session.id] = wait
             session.pending.update(entries)  # not strays to the sweep meanwhile
+
+    def _cluster_throttle_waits(self, record: Record) -> None:
+        space, now = self.space, self.now
+        for owner, key, (calls, period, burst, cost), etcd_key, revision, left, waited in record[
+            "rows"
+        ]:
+            session = self.sessions[owner]
+            assert isinstance(session, ClusterSession)
+            rate = Rate(calls, period, burst, cost)
+            wait = ThrottleWait(
+                session, raw(key), rate, raw(etcd_key), revision, now + left, now - waited
+            )
+            wait.suspended = True  # its connection's next task waits on for it
+            space.ledger.waits[session.id] = wait
+            space.throttles.live.add(wait.etcd_key)  # not a stray to the sweep
 
     def _cluster_answers(self, record: Record) -> None:
         for owner, *answer in record["rows"]:

@@ -1,0 +1,246 @@
+"""A node's copy of the cluster's throttle keys, and the cluster's admission rule.
+
+Pure: no I/O, no trio, times passed in. The node's watch feeds :class:`ThrottleBook`
+every change under ``<root>t/`` (through :class:`~.mirror.QueueMirror`, which sees
+the whole prefix), so it holds, as of the mirror's revision, each key's TAT (on the
+wall clock: nodes share no monotonic clock) with the revision that wrote it, and
+each key's line of waiters ordered by create revision, as lock queues are.
+
+The rule, on top of :func:`elockd.engine.gcra.judge` (docs/cluster.md, "Throttles
+on a cluster"):
+
+* a request that does not wait is judged by the GCRA only while the line is empty;
+  with waiters in line it is refused (it never overtakes them), its ``retry`` the
+  time until it would pass after them (:func:`judge_in_line`);
+* only the head of the line may be admitted, at :func:`~elockd.engine.gcra.admit_at`
+  of its own rate (:func:`head_turn`); a later, cheaper waiter waits behind it.
+
+Whatever this copy says, etcd decides: an admission is a compare-and-swap of the TAT
+(and, for a waiter, a compare that it heads its line) in one transaction. The copy
+only saves a round trip on a refusal it proves: a key's effective TAT,
+``max(TAT, now)``, never goes back, so a TAT that refuses on a copy that trails
+etcd refuses on etcd too.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from elockd.backend.cluster.etcd.client import KeyValue
+from elockd.backend.cluster.layout import Layout, parse_tat_value, parse_waiter_value
+from elockd.engine.gcra import Rate, Verdict, admit_at, judge
+
+#: No state: judged as a TAT in the past.
+NO_TAT = float("-inf")
+
+
+#: A waiter as a request behind it sees it: (units, capacity), N·T and B·T of its
+#: own rate.
+Ahead = tuple[float, float]
+
+
+def behind(tat: float, now: float, rate: Rate, ahead: Sequence[Ahead]) -> Verdict:
+    """The 409 of a request that comes after the waiters ``ahead`` (oldest first),
+    each admitted at its earliest: ``retry`` until its own turn, ``reset`` as the
+    key is now (the in-memory engine's rule, :mod:`elockd.engine.throttles`)."""
+    reset = max(tat - now, 0.0)
+    when = now
+    for units, capacity in ahead:
+        when = max(when, tat + units - capacity)
+        tat = max(tat, when) + units
+    mine = max(when, admit_at(tat, rate))
+    return Verdict(False, rate.burst, 0, reset, mine - now)
+
+
+def judge_in_line(
+    tat: float, now: float, rate: Rate, ahead: Sequence[Ahead]
+) -> tuple[Verdict, float]:
+    """A request on a key at ``tat`` whose line holds ``ahead``: (verdict, TAT
+    after). With anyone in line it is refused: it never overtakes them. A peek
+    answers as :func:`~elockd.engine.gcra.judge` does, whoever waits."""
+    if not ahead or rate.cost == 0:
+        return judge(tat, now, rate)
+    return behind(tat, now, rate, ahead), tat
+
+
+def head_turn(tat: float, now: float, rate: Rate) -> tuple[Verdict | None, float, float]:
+    """The head of a line, at ``now``: (its verdict, the TAT after it, ``now``) if
+    admitted now, else (None, ``tat``, the time it is due)."""
+    verdict, after = judge(tat, now, rate)
+    if verdict.admitted:
+        return verdict, after, now
+    return None, tat, admit_at(tat, rate)
+
+
+@dataclass(frozen=True, slots=True)
+class Tat:
+    """A key's TAT as etcd has it: the value, the revision that wrote it (the
+    compare of the next swap), its writer (who deletes it once it lapses)."""
+
+    tat: float
+    revision: int
+    writer: str
+
+
+@dataclass(frozen=True, slots=True)
+class LineEntry:
+    etcd_key: bytes
+    revision: int  # create revision: the place in line
+    units: float  # N·T of the waiter's own rate
+    capacity: float  # B·T of it
+    lease: int
+    node: str
+
+
+class Line:
+    """One key's waiters, oldest first."""
+
+    __slots__ = ("entries", "revisions")
+
+    def __init__(self) -> None:
+        self.revisions: list[int] = []
+        self.entries: dict[int, LineEntry] = {}
+
+    def ahead(self, revision: int, *, skip: int = 0) -> list[Ahead]:
+        """The waiters older than ``revision`` (but ``skip``), oldest first."""
+        found = []
+        for r in self.revisions:
+            if r >= revision:
+                break
+            if r != skip:
+                entry = self.entries[r]
+                found.append((entry.units, entry.capacity))
+        return found
+
+
+class ThrottleBook:
+    """Every throttle key under a layout's root, as of the mirror's revision."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.tats: dict[bytes, Tat] = {}
+        self.lines: dict[bytes, Line] = {}
+        self._located: dict[bytes, tuple[bytes, int]] = {}  # waiter key -> (key, revision)
+        self.waiting = 0
+        #: Called with a key whenever its TAT or line changes: wakes local waiters.
+        self.listeners: dict[bytes, set[Callable[[], None]]] = {}
+
+    def clear(self) -> None:
+        self.tats.clear()
+        self.lines.clear()
+        self._located.clear()
+        self.waiting = 0
+        for key in list(self.listeners):
+            self._changed(key)
+
+    def owns(self, etcd_key: bytes) -> bool:
+        return etcd_key.startswith(self.layout.throttles)
+
+    def put(self, kv: KeyValue) -> None:
+        parsed = self.layout.parse_throttle(kv.key)
+        if parsed is None:
+            return
+        key, waiter = parsed
+        if waiter is None:
+            tat, writer = parse_tat_value(kv.value)
+            self.tats[key] = Tat(tat, kv.mod_revision, writer)
+        elif kv.key not in self._located:
+            node, units, capacity = parse_waiter_value(kv.value)
+            line = self.lines.get(key)
+            if line is None:
+                line = self.lines[key] = Line()
+            insort(line.revisions, kv.create_revision)
+            line.entries[kv.create_revision] = LineEntry(
+                kv.key, kv.create_revision, units, capacity, kv.lease, node
+            )
+            self._located[kv.key] = (key, kv.create_revision)
+            self.waiting += 1
+        self._changed(key)
+
+    def delete(self, etcd_key: bytes) -> None:
+        parsed = self.layout.parse_throttle(etcd_key)
+        if parsed is None:
+            return
+        key, waiter = parsed
+        if waiter is None:
+            self.tats.pop(key, None)
+        else:
+            where = self._located.pop(etcd_key, None)
+            if where is None:
+                return
+            line = self.lines[key]
+            del line.entries[where[1]]
+            del line.revisions[bisect_left(line.revisions, where[1])]
+            if not line.revisions:
+                del self.lines[key]
+            self.waiting -= 1
+        self._changed(key)
+
+    def _changed(self, key: bytes) -> None:
+        for wake in list(self.listeners.get(key, ())):
+            wake()
+
+    def listen(self, key: bytes, wake: Callable[[], None]) -> None:
+        self.listeners.setdefault(key, set()).add(wake)
+
+    def unlisten(self, key: bytes, wake: Callable[[], None]) -> None:
+        listeners = self.listeners.get(key)
+        if listeners is not None:
+            listeners.discard(wake)
+            if not listeners:
+                del self.listeners[key]
+
+    # ----------------------------------------------------------------- reads
+
+    def tat(self, key: bytes) -> Tat | None:
+        return self.tats.get(key)
+
+    def ahead(self, key: bytes, before: int = 1 << 62, *, skip: int = 0) -> list[Ahead]:
+        """``key``'s waiters older than ``before`` (all by default; but ``skip``)."""
+        line = self.lines.get(key)
+        return [] if line is None else line.ahead(before, skip=skip)
+
+    def line_length(self, key: bytes) -> int:
+        line = self.lines.get(key)
+        return 0 if line is None else len(line.revisions)
+
+    def head(self, key: bytes) -> LineEntry | None:
+        line = self.lines.get(key)
+        return None if line is None else line.entries[line.revisions[0]]
+
+    def size(self) -> int:
+        """Throttle keys with state (``q``'s ``throttles``): TATs not swept yet
+        (lapsed ones go within a second or two) and keys with waiters only."""
+        return len(self.tats) + sum(1 for key in self.lines if key not in self.tats)
+
+    def has_waiter(self, etcd_key: bytes) -> bool:
+        return etcd_key in self._located
+
+    def live(self, wall: float) -> int:
+        """Keys with state at ``wall``: a TAT not yet lapsed, or waiters."""
+        lapsed = sum(1 for t in self.tats.values() if t.tat <= wall)
+        waiting_only = sum(1 for key in self.lines if key not in self.tats)
+        return len(self.tats) - lapsed + waiting_only
+
+    def has_state(self, key: bytes, wall: float) -> bool:
+        found = self.tats.get(key)
+        return (found is not None and found.tat > wall) or key in self.lines
+
+    def lapsed(self, wall: float, node_id: str, orphaned_after: float) -> list[tuple[bytes, Tat]]:
+        """TATs to delete at ``wall``: lapsed ones this node wrote, and any lapsed
+        for ``orphaned_after`` seconds (their writer may be gone)."""
+        return [
+            (key, found)
+            for key, found in self.tats.items()
+            if found.tat <= wall and (found.writer == node_id or found.tat + orphaned_after <= wall)
+        ]
+
+    def waiters_on(self, lease: int) -> list[LineEntry]:
+        return [
+            line.entries[revision]
+            for line in self.lines.values()
+            for revision in line.revisions
+            if line.entries[revision].lease == lease
+        ]
