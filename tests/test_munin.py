@@ -100,7 +100,7 @@ async def test_config_declares_every_graph(tmp_path: Path, server: RunningServer
     assert (code, err) == (0, "")
     config = graphs(out)
     base = f"elockd_{server.port}"
-    names = "connections locks commands orphans invalid".split()
+    names = "connections locks commands orphans throttle invalid".split()
     assert set(config) == {f"{base}_{name}" for name in names}
     locks = config[f"{base}_locks"]
     assert locks["locks.label"] == "exclusive keys"
@@ -111,6 +111,11 @@ async def test_config_declares_every_graph(tmp_path: Path, server: RunningServer
     assert commands["command_g.type"] == "DERIVE"
     assert commands["command_lock_shared.min"] == "0"
     assert config[f"{base}_invalid"]["invalid_commands.type"] == "DERIVE"
+    assert locks["throttles.type"] == "GAUGE"  # keys with state now
+    throttle = config[f"{base}_throttle"]
+    assert (throttle["admitted.type"], throttle["throttled.type"]) == ("DERIVE", "DERIVE")
+    assert throttle["throttled.label"] == "throttled (409)"
+    assert commands["command_throttle.type"] == "DERIVE"
     assert config[f"{base}_orphans"]["orphans.type"] == "DERIVE"
     assert f"127.0.0.1:{server.port}" in config[f"{base}_connections"]["graph_title"]
 
