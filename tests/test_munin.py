@@ -132,6 +132,8 @@ async def test_values_match_q(tmp_path: Path, server: RunningServer) -> None:
         (b, b"ping", b"200 PONG"),
     ]:
         assert await client.request(request) == reply
+    for verdict in (b"200 ", b"200 ", b"409 "):  # throttles: 1, admitted: 2, throttled: 1
+        assert (await a.request(b"throttle api 2 60")).startswith(verdict)
     assert await c.request(b"g gone") == b"1 Got Lock"
     await c.aclose()  # an orphan
     await b.send(b"lock x 100\n")  # waits
@@ -149,6 +151,7 @@ async def test_values_match_q(tmp_path: Path, server: RunningServer) -> None:
         for key, value in graph.items()
     }
     assert q["orphans"] == 1 and q["waiting"] == 1 and q["shared_holders"] == 2
+    assert (q["throttles"], q["admitted"], q["throttled"]) == (1, 2, 1)
     for field, shown in fields.items():
         expected = q.get(field, 0)  # a verb never used is absent from q
         if field in ("connections", "sessions"):
@@ -157,6 +160,7 @@ async def test_values_match_q(tmp_path: Path, server: RunningServer) -> None:
             expected -= 1  # this q counted itself
         assert int(shown) == expected, field
     assert {"connections", "locks", "shared_locks", "shared_holders", "command_g"} <= set(fields)
+    assert {"throttles", "admitted", "throttled", "command_throttle"} <= set(fields)
 
 
 async def test_autoconf_and_suggest(tmp_path: Path, server: RunningServer) -> None:
