@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 9999
 METRICS_PORT ?= 9998
 
-.PHONY: run test lint clean stress bench bench-compare bench-guard
+.PHONY: run test lint clean stress bench bench-throttle bench-compare bench-guard
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,12 @@ stress: $(VENV)/.installed-test
 BENCH_ARGS ?=
 bench: $(VENV)/.installed-run
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+# The throttle rows only (docs/performance.md, "Throttle"): elockd's `throttle` beside
+# Redis running bench/gcra.lua by EVALSHA, with elockd's pair row in the same rounds.
+# About 3 minutes.
+bench-throttle: $(VENV)/.installed-run
+	$(BIN)/python bench/run.py --only throttle --rounds 5 $(BENCH_ARGS)
 
 # The throughput rows of two checkouts side by side (BEFORE: a directory holding an
 # elockd package, e.g. `git worktree add /tmp/before HEAD~5`).

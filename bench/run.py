@@ -10,6 +10,13 @@ source with ``cc``: ``--loadgen-src DIR`` (or ``$LOADGEN_SRC``) names the folder
 its single ``.c`` file; ``--loadgen BINARY`` uses a built one. Its CPU time is
 printed next to the server's, to show it is not the bottleneck.
 
+The throttle rows (``--only throttle``) drive elockd's ``throttle`` verb and, beside
+it, Redis running bench/gcra.lua (the same GCRA, loaded with ``SCRIPT LOAD``, called
+with ``EVALSHA``) with bench/throttlegen.c, a C generator of this repository built
+the same way: 50 connections on their own key at a rate that admits everything,
+then 50 on 16 hot keys where most requests are refused. elockd's pair row runs
+first in the same table, and the throttle rows are printed as a ratio to it.
+
 The hold row (10,000 connections x 100 locks, half of them shared) and the
 feature-cost row (10,000 waiters and 100,000 leases pending) are driven from this
 script with plain sockets, because they measure the server's memory and its
@@ -176,12 +183,18 @@ def build_loadgen(source_dir: Path) -> Path:
     sources = sorted(source_dir.glob("*.c"))
     if len(sources) != 1:
         raise SystemExit(f"expected one .c file in {source_dir}, found {len(sources)}")
+    return compile_c(sources[0], "loadgen")
+
+
+def compile_c(source: Path, name: str) -> Path:
+    """``source`` built into the build folder as ``name`` (again only when the source
+    is newer), with ``$CC`` or ``cc``."""
     BUILD.mkdir(parents=True, exist_ok=True)
-    binary = BUILD / "loadgen"
-    if not binary.exists() or binary.stat().st_mtime < sources[0].stat().st_mtime:
+    binary = BUILD / name
+    if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
         compiler = os.environ.get("CC", "cc")
         subprocess.run(
-            [compiler, "-O2", "-std=gnu11", "-pthread", "-o", str(binary), str(sources[0])],
+            [compiler, "-O2", "-std=gnu11", "-pthread", "-o", str(binary), str(source)],
             check=True,
         )
     return binary
@@ -1232,6 +1245,114 @@ def throughput_rows(
             (BUILD / f"glockd-{ports['glockd']}.pid").unlink()
 
 
+#: bench/gcra.lua: the GCRA of ``throttle`` as a Redis script, for the Redis column.
+GCRA_SCRIPT = ROOT / "bench" / "gcra.lua"
+#: bench/throttlegen.c: the throttle rows' load generator (``throttle`` or EVALSHA).
+THROTTLE_GENERATOR = ROOT / "bench" / "throttlegen.c"
+#: The throttle rows: (name, throttlegen arguments). The first admits everything
+#: (1,000,000 per second on each connection's own key); the second has 50
+#: connections on 16 hot keys at 100 per second each, so that most requests get 409.
+THROTTLE_ROWS = [
+    (
+        "throttle (own key each), 1 in flight",
+        ["--conns", "50", "--pipeline", "1", "--keys", "0", "--count", "1000000", "--period", "1"],
+    ),
+    (
+        "throttle hot (16 keys, mostly 409), 1 in flight",
+        ["--conns", "50", "--pipeline", "1", "--keys", "16", "--count", "100", "--period", "1"],
+    ),
+]
+
+
+def throttle_rows(
+    loadgen: Path, throttlegen: Path, seconds: float, rounds: int, have_redis: bool
+) -> None:
+    """The throttle rows beside Redis running bench/gcra.lua (EVALSHA), with elockd's
+    pair row in the same table (the aim: throttle no slower than pair by more than
+    10 %). Both servers are pinned to the server core for the whole table and driven
+    one at a time; each round runs every row on each server in turn, so that a pair
+    run and the throttle runs it is compared with are minutes apart at most, and the
+    ratio to pair is also given per round (its median), which a neighbour's load
+    moves less than the medians of separate rows."""
+    print()
+    print(
+        f"# throttle: {rounds} round(s) of {seconds:g} s per server and row, rows in turn "
+        "within each round; medians"
+        if rounds > 1
+        else f"# throttle: {seconds:g} s per server and row"
+    )
+    print(
+        "| workload (50 connections) | elockd req/s | p50 / p99 µs | server CPU µs/req | "
+        "CPU s loadgen / server | RSS MiB | Redis+GCRA req/s | to Redis |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    ports = {name: free_port() for name in ("elockd", "redis")}
+    pair_name, pair_args = THROUGHPUT_ROWS[0]
+    # (name, generator, arguments per server): the pair row is lockbench's, as above.
+    rows = [(f"{pair_name} (reference)", loadgen, {"elockd": pair_args, "redis": pair_args})]
+    for name, args in THROTTLE_ROWS:
+        rows.append(
+            (name, throttlegen, {"elockd": args, "redis": [*args, "--script", str(GCRA_SCRIPT)]})
+        )
+    results: dict[str, dict[str, list[Result]]] = {}
+    with contextlib.ExitStack() as stack:
+        servers = {
+            "elockd": stack.enter_context(running(elockd_command(ports["elockd"]), ports["elockd"]))
+        }
+        if have_redis:
+            servers["redis"] = stack.enter_context(
+                running(redis_command(ports["redis"]), ports["redis"])
+            )
+        modes = {"elockd": "lockd", "redis": "redis"}
+        for name, _, _ in rows:
+            results[name] = {server: [] for server in servers}
+        for _ in range(rounds):
+            for name, generator, per_server in rows:
+                for server, process in servers.items():
+                    mode, port, arguments = modes[server], ports[server], per_server[server]
+                    results[name][server].append(
+                        run_loadgen(generator, mode, port, process.pid, seconds, *arguments)
+                    )
+    for name, _, _ in rows:
+        print_throttle_row(name, results[name], rounds)
+    pair = results[rows[0][0]]["elockd"]
+    for name, _ in THROTTLE_ROWS:
+        runs = results[name]["elockd"]
+        per_round = sorted(run.rps / base.rps for run, base in zip(runs, pair, strict=True))
+        cpu, pair_cpu = (median_result(r).server_us_per_request for r in (runs, pair))
+        print(
+            f"elockd {name.split(' (')[0]} to pair, this run (aim: at least 0.90x): "
+            f"{median_result(runs).rps / median_result(pair).rps:.2f}x of the medians, "
+            f"{per_round[(len(per_round) - 1) // 2]:.2f}x the median of the rounds' ratios "
+            f"({', '.join(f'{ratio:.2f}' for ratio in per_round)}); server CPU per request "
+            f"{cpu:.2f} µs, pair's {pair_cpu:.2f} µs",
+            flush=True,
+        )
+
+
+def print_throttle_row(name: str, results: dict[str, list[Result]], rounds: int) -> None:
+    """A row of the throttle table, its runs and what each server answered."""
+    row = {server: median_result(runs) for server, runs in results.items()}
+    print_row(name, row["elockd"], None, row.get("redis"))
+    if rounds > 1:
+        runs = "; ".join(
+            f"{server} " + ", ".join(f"{result.rps:,.0f}" for result in values)
+            for server, values in results.items()
+        )
+        print(f"<!-- runs: {runs} -->", flush=True)
+    notes = ", ".join(
+        f"{server} {result.server_us_per_request:.2f} µs CPU/req"
+        + (
+            f", admitted {int(result.extra['admitted']):,} / "
+            f"limited {int(result.extra['limited']):,}"
+            if "admitted" in result.extra
+            else ""
+        )
+        for server, result in row.items()
+    )
+    print(f"<!-- median runs: {notes} -->", flush=True)
+
+
 def at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
@@ -1260,7 +1381,7 @@ def main() -> None:
         "--rounds",
         type=at_least(1),
         default=1,
-        help="throughput rows: runs per server, in turn; the table shows medians",
+        help="throughput and throttle rows: runs per server, in turn; the tables show medians",
     )
     parser.add_argument(
         "--glockd",
@@ -1281,7 +1402,16 @@ def main() -> None:
         default=10_000,
         help="new connections in the burst row",
     )
-    groups = ["throughput", "burst", "hold", "features", "scrape", "websocket", "etcd"]
+    groups = [
+        "throughput",
+        "throttle",
+        "burst",
+        "hold",
+        "features",
+        "scrape",
+        "websocket",
+        "etcd",
+    ]
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=groups, help="row groups to leave out"
     )
@@ -1332,7 +1462,7 @@ def main() -> None:
         run.discard("etcd")
 
     print(f"# elockd bench, {options.seconds:g} s per row; {time.strftime('%Y-%m-%d %H:%M')}")
-    if run & {"throughput", "burst", "hold", "features", "scrape", "websocket"}:
+    if run & {"throughput", "throttle", "burst", "hold", "features", "scrape", "websocket"}:
         pinned_rows(options, run)
     if "etcd" in run:
         etcd_rows(
@@ -1359,6 +1489,9 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
         throughput_rows(
             loadgen, options.seconds, options.rounds, options.glockd, have_redis, options.floor
         )
+    if "throttle" in run:
+        throttlegen = compile_c(THROTTLE_GENERATOR, "throttlegen")
+        throttle_rows(loadgen, throttlegen, options.seconds, options.rounds, have_redis)
     if "burst" in run:
         with running(elockd_command(elockd_port), elockd_port) as ours:
             burst = burst_row(elockd_port, options.burst_conns)

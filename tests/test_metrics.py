@@ -255,6 +255,38 @@ async def test_wait_and_hold_histograms(
     assert value(samples, "elockd_hold_seconds_count", kind="shared") == 1
 
 
+async def test_throttle_gauge_counters_and_wait_kind(
+    nursery: trio.Nursery, server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    """``throttle`` moves elockd_throttles, elockd_admitted_total and
+    elockd_throttled_total as `q` moves throttles, admitted and throttled; a throttle
+    wait goes into the wait histogram as kind ``throttle``, not a lock kind."""
+    port = await start_metrics(nursery, server.service)
+    a, b = await server.connect(), await server.connect()
+    assert (await a.request(b"throttle api 1 10")).startswith(b"200 ")
+    assert (await a.request(b"throttle api 1 10")).startswith(b"409 ")
+    assert (await a.request(b"throttle other 5 10")).startswith(b"200 ")
+    await b.send(b"throttle api 1 10 wait=20\n")  # its turn comes 10 s after the first
+    await trio.testing.wait_all_tasks_blocked()
+    during = await scrape(port)
+    assert value(during, "elockd_throttles") == 2
+    assert value(during, "elockd_admitted_total") == 2
+    assert value(during, "elockd_throttled_total") == 1
+    assert value(during, "elockd_wait_seconds_count", kind="throttle") == 0
+    await trio.sleep(10)
+    assert (await b.line()).startswith(b"200 ")
+    samples = await scrape(port)
+    assert value(samples, "elockd_admitted_total") == 3
+    assert value(samples, "elockd_wait_seconds_bucket", kind="throttle", le="5.0") == 0
+    assert value(samples, "elockd_wait_seconds_bucket", kind="throttle", le="10.0") == 1
+    assert value(samples, "elockd_wait_seconds_sum", kind="throttle") == pytest.approx(10)
+    assert value(samples, "elockd_wait_seconds_count", kind="exclusive") == 0
+    q = await a.stats()
+    assert value(samples, "elockd_throttles") == q["throttles"]
+    assert value(samples, "elockd_admitted_total") == q["admitted"]
+    assert value(samples, "elockd_throttled_total") == q["throttled"]
+
+
 async def test_healthz_and_unknown_paths(nursery: trio.Nursery, server: RunningServer) -> None:
     port = await start_metrics(nursery, server.service)
     assert await http_get(port, "/healthz") == (200, b"ok\n")
@@ -343,6 +375,18 @@ def busy_scrape(spawn_server: Callable[..., tuple[subprocess.Popen[str], int]]) 
         exchange(a, b"g k\nsg s\nlock w\nbogus\n", 4)
         replies = exchange(b, b"lock k 0.05\nlock_shared s 0.05 limit=1\nsg s\n", 3)
         assert replies == b"409 Unavailable\r\n409 1\r\n2 Got Lock\r\n"
+        # A refusal, then a wait of about 50 ms for the turn of a fast rate.
+        throttles = (
+            b"throttle api 1 60\nthrottle api 1 60\nthrottle f 1 0.05\nthrottle f 1 0.05 wait=5\n"
+        )
+        replies = exchange(b, throttles, 4)
+        assert [line[:4] for line in replies.split(b"\r\n")] == [
+            b"200 ",
+            b"409 ",
+            b"200 ",
+            b"200 ",
+            b"",
+        ]
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as response:
         text: str = response.read().decode()
     return text
@@ -351,6 +395,8 @@ def busy_scrape(spawn_server: Callable[..., tuple[subprocess.Popen[str], int]]) 
 def test_promtool_check_metrics_passes_on_a_real_scrape(busy_scrape: str) -> None:
     samples = parse(busy_scrape)
     assert value(samples, "elockd_wait_timeouts_total") == 2
+    assert value(samples, "elockd_throttled_total") == 1
+    assert value(samples, "elockd_wait_seconds_count", kind="throttle") == 1
     assert value(samples, "elockd_wait_seconds_count", kind="shared") == 1
     result = subprocess.run(
         [tool("promtool"), "check", "metrics"],
@@ -375,6 +421,35 @@ def test_alert_rules_config_and_rule_unit_tests() -> None:
         )
         assert result.returncode == 0, (args, result.stdout, result.stderr)
         assert "SUCCESS" in result.stdout
+
+
+def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
+    """Every panel's query, with Grafana's variables given values, parses: promtool
+    checks them as the expressions of a rule file (it has no other offline check)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    expressions = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    filled = [
+        e.replace("$__rate_interval", "1m").replace("$job", "elockd").replace("$instance", ".*")
+        for e in expressions
+    ]
+    assert all("$" not in e for e in filled), filled
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(filled)
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(json.dumps(rules))  # JSON is YAML
+    result = subprocess.run(
+        [tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert f"SUCCESS: {len(filled)} rules found" in result.stdout
 
 
 def test_alerts_and_dashboard_query_only_metrics_elockd_exports(busy_scrape: str) -> None:

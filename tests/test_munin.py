@@ -100,7 +100,7 @@ async def test_config_declares_every_graph(tmp_path: Path, server: RunningServer
     assert (code, err) == (0, "")
     config = graphs(out)
     base = f"elockd_{server.port}"
-    names = "connections locks commands orphans invalid".split()
+    names = "connections locks commands orphans throttle invalid".split()
     assert set(config) == {f"{base}_{name}" for name in names}
     locks = config[f"{base}_locks"]
     assert locks["locks.label"] == "exclusive keys"
@@ -111,6 +111,11 @@ async def test_config_declares_every_graph(tmp_path: Path, server: RunningServer
     assert commands["command_g.type"] == "DERIVE"
     assert commands["command_lock_shared.min"] == "0"
     assert config[f"{base}_invalid"]["invalid_commands.type"] == "DERIVE"
+    assert locks["throttles.type"] == "GAUGE"  # keys with state now
+    throttle = config[f"{base}_throttle"]
+    assert (throttle["admitted.type"], throttle["throttled.type"]) == ("DERIVE", "DERIVE")
+    assert throttle["throttled.label"] == "throttled (409)"
+    assert commands["command_throttle.type"] == "DERIVE"
     assert config[f"{base}_orphans"]["orphans.type"] == "DERIVE"
     assert f"127.0.0.1:{server.port}" in config[f"{base}_connections"]["graph_title"]
 
@@ -127,6 +132,8 @@ async def test_values_match_q(tmp_path: Path, server: RunningServer) -> None:
         (b, b"ping", b"200 PONG"),
     ]:
         assert await client.request(request) == reply
+    for verdict in (b"200 ", b"200 ", b"409 "):  # throttles: 1, admitted: 2, throttled: 1
+        assert (await a.request(b"throttle api 2 60")).startswith(verdict)
     assert await c.request(b"g gone") == b"1 Got Lock"
     await c.aclose()  # an orphan
     await b.send(b"lock x 100\n")  # waits
@@ -144,6 +151,7 @@ async def test_values_match_q(tmp_path: Path, server: RunningServer) -> None:
         for key, value in graph.items()
     }
     assert q["orphans"] == 1 and q["waiting"] == 1 and q["shared_holders"] == 2
+    assert (q["throttles"], q["admitted"], q["throttled"]) == (1, 2, 1)
     for field, shown in fields.items():
         expected = q.get(field, 0)  # a verb never used is absent from q
         if field in ("connections", "sessions"):
@@ -152,6 +160,7 @@ async def test_values_match_q(tmp_path: Path, server: RunningServer) -> None:
             expected -= 1  # this q counted itself
         assert int(shown) == expected, field
     assert {"connections", "locks", "shared_locks", "shared_holders", "command_g"} <= set(fields)
+    assert {"throttles", "admitted", "throttled", "command_throttle"} <= set(fields)
 
 
 async def test_autoconf_and_suggest(tmp_path: Path, server: RunningServer) -> None:

@@ -130,6 +130,23 @@ class ElockdCollector(Collector):
             "Waits that ended without a grant: 409 replies (q: timeouts).",
             value=books.timeouts,
         )
+        yield GaugeMetricFamily(
+            "elockd_throttles",
+            "Throttle keys with state now: their TAT has not passed "
+            "(q: throttles; at most --max-throttles).",
+            value=sizes.throttles,
+        )
+        yield CounterMetricFamily(
+            "elockd_admitted",
+            "throttle requests admitted: 200 replies (q: admitted).",
+            value=books.admitted,
+        )
+        yield CounterMetricFamily(
+            "elockd_throttled",
+            "throttle requests refused, at once or when their wait ran out: 409 replies "
+            "(q: throttled).",
+            value=books.throttled,
+        )
         orphans = CounterMetricFamily(
             "elockd_orphans",
             "Holds freed because their session ended without releasing them "
