@@ -33,10 +33,12 @@ from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 from elockd.backend.state import TableDump, TableRestore
 from elockd.engine.bookkeeping import Bookkeeping, QueueFull, TooManyHolds
+from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.sessions import Session
+from elockd.engine.throttles import TooManyThrottles
 
 # Re-exported: the engine's refusals are every backend's.
-__all__ = ["QueueFull", "TooManyHolds"]
+__all__ = ["QueueFull", "TooManyHolds", "TooManyThrottles"]
 
 T = TypeVar("T")
 
@@ -61,7 +63,7 @@ class Grant:
 
 
 #: What a backend may refuse a request with, in any family.
-REFUSALS = (TooManyHolds, QueueFull, BackendUnavailable)
+REFUSALS = (TooManyHolds, QueueFull, TooManyThrottles, BackendUnavailable)
 
 #: The two answers of an exclusive request that carry nothing more.
 GRANTED = Grant(True)
@@ -185,6 +187,16 @@ class Backend(ABC):
 
     @abstractmethod
     def info(self, key: bytes, now: float) -> Result[KeyInfo]: ...
+
+    @abstractmethod
+    def throttle(
+        self, session: Session, key: bytes, now: float, rate: Rate, *, wait: float
+    ) -> Result[Verdict]:
+        """``throttle K COUNT PERIOD``: admitted or not by the GCRA
+        (:mod:`elockd.engine.gcra`); ``wait`` 0 answers at once, else the request
+        may wait that long in the key's line (``session`` owns the wait, not the
+        key: its disconnect cancels it). Refused with :class:`TooManyThrottles` at
+        ``--max-throttles`` keys, :class:`QueueFull` at ``--max-waiters`` in line."""
 
     # The deadline timer, and the backend's own work beside it.
     @abstractmethod

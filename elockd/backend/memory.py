@@ -28,8 +28,10 @@ from elockd.backend.interface import (
 )
 from elockd.backend.memory_state import MemoryDump, MemoryRestore
 from elockd.engine.bookkeeping import Sizes
+from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.locks import LockEngine
 from elockd.engine.sessions import Hold, Session, Waiter
+from elockd.engine.throttles import ThrottleWaiter
 
 
 class Wait(Later[Grant]):
@@ -59,7 +61,8 @@ class MemoryBackend(LockEngine, Backend):
             len(self.exclusive),
             len(self.shared),
             self.shared_holders,
-            self.waiting,
+            self.waiting + self.throttles.waiting,
+            len(self.throttles),
         )
 
     # ------------------------------------------------------------- sessions
@@ -116,6 +119,12 @@ class MemoryBackend(LockEngine, Backend):
             return Grant(True, result)
         return self.later_for(result)
 
+    def throttle(
+        self, session: Session, key: bytes, now: float, rate: Rate, *, wait: float
+    ) -> Result[Verdict]:
+        got = self.throttles.request(session, key, now, rate, wait)
+        return got if isinstance(got, Verdict) else self.throttle_later(got)
+
     def info(self, key: bytes, now: float) -> KeyInfo:
         hold: Hold | None = self.exclusive.get(key)
         found = KeyInfo(shared=self.shared_count(key), waiting=self.waiting_for(key))
@@ -154,6 +163,23 @@ class MemoryBackend(LockEngine, Backend):
             return self._outcome(waiter)
 
         return Wait(granted_or_not, waiter)
+
+    def throttle_later(self, waiter: ThrottleWaiter) -> Later[Verdict]:
+        """The reply-later of a throttle request waiting in its key's line (also for
+        one taken over from a predecessor)."""
+
+        async def admitted_or_not() -> Verdict:
+            if waiter.waiting:
+                woken = trio.Event()
+                waiter.wake = woken.set
+                try:
+                    await woken.wait()  # the table wakes it: admitted, or timed out
+                finally:
+                    waiter.wake = None
+            assert waiter.verdict is not None
+            return waiter.verdict
+
+        return Later(admitted_or_not, waits=True)
 
     def _outcome(self, waiter: Waiter) -> Grant:
         if waiter.shared:

@@ -331,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="waiting requests per key (more: '413 Too Many Waiters')",
     )
     add(
+        "--max-throttles",
+        type=positive_int,
+        default=defaults.max_throttles,
+        metavar="N",
+        help="throttle keys with state at once (more: '413 Too Many Throttles')",
+    )
+    add(
         "--max-holds",
         type=positive_int,
         default=defaults.max_holds,

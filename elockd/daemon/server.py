@@ -372,6 +372,7 @@ def make_memory_backend(config: Config) -> MemoryBackend:
         max_waiters=config.max_waiters,
         max_holds=config.max_holds,
         max_sessions=config.max_sessions,
+        max_throttles=config.max_throttles,
     )
 
 

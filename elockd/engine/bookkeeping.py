@@ -14,10 +14,21 @@ Pure: no trio, no I/O; time is passed in.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, TypeAlias
 
 from elockd.engine.deadlines import Deadlines
 from elockd.engine.sessions import WAITING, Hold, Session, Waiter
+
+
+class KnowsItsDeadlines(Protocol):
+    """A heap target that tells its current deadlines itself (a throttle waiter:
+    its turn and its timeout, :class:`elockd.engine.throttles.ThrottleWaiter`)."""
+
+    def is_due(self, deadline: float) -> bool: ...
+
+
+#: What the deadline heap holds: lease ends, wait ends, grace ends, and the rest.
+Deadlined: TypeAlias = Hold | Session | Waiter | KnowsItsDeadlines
 
 #: Why a session's plain holds were freed, as ``on_session_end`` hears it.
 ENDED_DISCONNECTED = "disconnected"
@@ -35,16 +46,18 @@ class QueueFull(Exception):
 
 class Sizes(NamedTuple):
     """How big the tables are now, as ``q`` and /metrics show them: sessions, keys
-    held exclusively, keys held shared, shared holders, waiting requests."""
+    held exclusively, keys held shared, shared holders, waiting requests (throttle
+    waits too), throttle keys with state."""
 
     sessions: int
     locks: int
     shared_locks: int
     shared_holders: int
     waiting: int
+    throttles: int = 0
 
 
-def carries(deadline: float, target: Hold | Session | Waiter) -> bool:
+def carries(deadline: float, target: Deadlined) -> bool:
     """Whether a deadline-heap entry is current: its target still ends at
     ``deadline`` (a renewed or freed lease, a granted or cancelled wait, a session
     taken over or ended leaves a stale entry behind)."""
@@ -52,7 +65,9 @@ def carries(deadline: float, target: Hold | Session | Waiter) -> bool:
         return target.lease_deadline == deadline
     if isinstance(target, Waiter):
         return target.state == WAITING and target.deadline == deadline
-    return target.grace_deadline == deadline and not target.connected
+    if isinstance(target, Session):
+        return target.grace_deadline == deadline and not target.connected
+    return target.is_due(deadline)
 
 
 class Bookkeeping:
@@ -63,11 +78,13 @@ class Bookkeeping:
     def __init__(self, *, max_holds: int = 10_000, max_waiters: int = 10_000) -> None:
         self.max_holds = max_holds
         self.max_waiters = max_waiters
-        self._deadlines: Deadlines[Hold | Session | Waiter] = Deadlines(carries)
+        self._deadlines: Deadlines[Deadlined] = Deadlines(carries)
         self.on_new_deadline: Callable[[], None] | None = None
         self.on_hold_end: Callable[[bool, float], None] | None = None
         self.on_holds_end: Callable[[bool, list[float]], None] | None = None
-        self.on_wait_end: Callable[[bool, float], None] | None = None
+        # (kind, seconds): kind 0 exclusive, 1 shared (a lock's ``shared`` flag), 2 a
+        # throttle (elockd.engine.throttles.THROTTLE_KIND).
+        self.on_wait_end: Callable[[int, float], None] | None = None
         # Hears of every session whose plain holds were freed because it ended (the
         # audit trail of orphans): (session, exclusive, shared, why).
         self.on_session_end: Callable[[Session, int, int, str], None] | None = None
@@ -75,6 +92,9 @@ class Bookkeeping:
         self.shared_orphans = 0
         self.expired = 0
         self.timeouts = 0
+        # Throttle requests answered 200 (admitted) and 409 (throttled).
+        self.admitted = 0
+        self.throttled = 0
         self.leases = 0
         self.sessions_in_grace = 0
 
@@ -143,7 +163,7 @@ class Bookkeeping:
 
     # ------------------------------------------------------------- deadlines
 
-    def schedule(self, deadline: float, target: Hold | Session | Waiter) -> None:
+    def schedule(self, deadline: float, target: Deadlined) -> None:
         if self._deadlines.add(deadline, target) and self.on_new_deadline is not None:
             self.on_new_deadline()
 

@@ -24,9 +24,9 @@ EPSILON = 1e-9
 
 
 class Rate(NamedTuple):
-    """One request's rate: ``calls`` (the wire's COUNT) per ``period`` seconds, ``burst`` at once, and the
-    request's own ``cost`` (0: a peek). Per request, as ``limit=`` is: one key may be
-    asked at several rates, each request judged by its own."""
+    """One request's rate: ``calls`` (the wire's COUNT) per ``period`` seconds,
+    ``burst`` at once, and the request's own ``cost`` (0: a peek). Per request, as
+    ``limit=`` is: one key may be asked at several rates, each judged by its own."""
 
     calls: int
     period: float

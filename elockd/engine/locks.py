@@ -61,6 +61,7 @@ from elockd.engine.bookkeeping import (
     TooManyHolds,
 )
 from elockd.engine.sessions import CANCELLED, GRANTED, WAITING, Hold, Session, Waiter
+from elockd.engine.throttles import Throttles, ThrottleWaiter
 
 # Re-exported: the engine's callers (and its tests) name them through this module.
 __all__ = [
@@ -103,10 +104,11 @@ class LockEngine(Bookkeeping):
         max_waiters: int = 10_000,
         max_holds: int = 10_000,
         max_sessions: int = 10_000,
+        max_throttles: int = 1_000_000,
         free_slice: int = FREE_SLICE,
         on_new_deadline: Callable[[], None] | None = None,
         on_hold_end: Callable[[bool, float], None] | None = None,
-        on_wait_end: Callable[[bool, float], None] | None = None,
+        on_wait_end: Callable[[int, float], None] | None = None,
         on_holds_end: Callable[[bool, list[float]], None] | None = None,
     ) -> None:
         """``first_token`` seeds the fencing-token counter (the server passes the wall
@@ -116,8 +118,10 @@ class LockEngine(Bookkeeping):
         histograms (``on_holds_end(shared, [seconds, ...])`` takes the holds a
         session frees at once, in one call) and ``on_wait_end(shared, seconds)``
         wait-time histograms (called once per request that waited, however its wait
-        ended). ``max_sessions`` bounds the sessions kept without a connection;
+        ended; ``shared`` is 0 or 1 for a lock, 2 for a throttle wait).
+        ``max_sessions`` bounds the sessions kept without a connection;
         ``free_slice`` is how many holds of ending sessions one slice frees.
+        ``max_throttles`` bounds the throttle keys with state (:attr:`throttles`).
         ``on_session_end(session, exclusive, shared, why)`` hears of every session whose
         plain holds were freed because it ended (the audit trail of orphans)."""
         super().__init__(max_holds=max_holds, max_waiters=max_waiters)
@@ -148,6 +152,8 @@ class LockEngine(Bookkeeping):
         self.shared_holders = 0
         # Sessions in self.sessions without a connection (grace, leases, or ending).
         self.detached = 0
+        # ``throttle``: its own namespace of keys, on this engine's deadline heap.
+        self.throttles = Throttles(self, max_throttles=max_throttles)
 
     # ---------------------------------------------------------------- sessions
 
@@ -166,6 +172,8 @@ class LockEngine(Bookkeeping):
         self.detached += 1
         for waiter in list(session.waiters):
             self.cancel(waiter, now)
+        if session in self.throttles.by_session:
+            self.throttles.cancel_session(session, now)
         lives_on = session.grace > 0 or session.leases > 0
         if lives_on and self.detached > self.max_sessions:
             self._end_now(session, now)
@@ -640,7 +648,11 @@ class LockEngine(Bookkeeping):
         minus infinity while ending sessions wait to be freed."""
         if self._ending:
             return -math.inf
-        return self._deadlines.next()
+        deadline = self._deadlines.next()
+        lapse = self.throttles.next_lapse()
+        if lapse is None:
+            return deadline
+        return lapse if deadline is None else min(deadline, lapse)
 
     def advance(self, now: float, budget: int | None = None) -> bool:
         """Run what is due: queued session frees, then lease, grace and wait ends.
@@ -652,15 +664,19 @@ class LockEngine(Bookkeeping):
         self._free_ending(now)
         if budget is None:
             budget = -1
-        for _, target in self._deadlines.due(now):
+        self.throttles.sweep(now)
+        for deadline, target in self._deadlines.due(now):
             if isinstance(target, Hold):
                 self.expired += 1
                 self._free(target, now)
                 self._forget_if_done(target.session)
             elif isinstance(target, Waiter):
                 self._time_out(target, now)
-            else:
+            elif isinstance(target, Session):
                 self._end_grace(target, now, ENDED_GRACE_EXPIRED)
+            else:
+                assert isinstance(target, ThrottleWaiter)
+                self.throttles.due(target, deadline, now)
             budget -= 1
             if budget == 0:
                 break

@@ -56,7 +56,9 @@ log = logging.getLogger("elockd")
 http_log = logging.getLogger("elockd.http")
 http_log.setLevel(logging.WARNING)
 
-KINDS = ("exclusive", "shared")  # index = the engine's ``shared`` flag
+#: Label ``kind`` by index: the engine's ``shared`` flag, then throttle waits (the
+#: hold histograms have the first two only).
+KINDS = ("exclusive", "shared", "throttle")
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -202,7 +204,7 @@ EXTRA_METRICS = {
 
 def histogram(name: str, documentation: str, per_kind: list[Buckets]) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, documentation, labels=["kind"])
-    for kind, buckets in zip(KINDS, per_kind, strict=True):
+    for kind, buckets in zip(KINDS, per_kind, strict=False):
         family.add_metric([kind], buckets.cumulative(), buckets.sum)
     return family
 

@@ -77,14 +77,22 @@ class Args:
     def limit(self) -> int | None:
         """``limit=N``: a whole number above 0, or None when absent."""
         value = self.options.get(b"limit")
-        if value is None:
-            return None
-        digits = value.lstrip(b"0")
-        if not value.isdigit() or not digits:
-            raise BadRequest("limit must be a whole number above 0")
-        # int() refuses more than 4,300 digits (reachable with a large --max-line), and
-        # its ValueError would end the server; no holder count reaches 10**18 anyway.
-        return int(digits) if len(digits) <= 18 else 10**18
+        return None if value is None else parse_whole(value, "limit", 1)
+
+
+def parse_whole(token: bytes, what: str, least: int) -> int:
+    """A whole number of at least ``least`` (0 or 1): no signs, no decimals."""
+    if not token.isdigit():
+        raise BadRequest(f"{what} must be a whole number" + (" above 0" if least else ""))
+    digits = token.lstrip(b"0")
+    if len(digits) > 18:
+        # int() refuses more than 4,300 digits (reachable with a large --max-line),
+        # and its ValueError would end the server; no count reaches 10**18 anyway.
+        return 10**18
+    value = int(digits or b"0")
+    if value < least:
+        raise BadRequest(f"{what} must be a whole number above 0")
+    return value
 
 
 def parse_number(token: bytes, what: str) -> float:

@@ -70,6 +70,14 @@ TABLE: tuple[Command, ...] = (
     Command(b"renew", WORD, word.cmd_renew, arguments=1, options=word.TTL_OPTION),
     Command(b"token", WORD, word.cmd_token, arguments=1),
     Command(b"info", WORD, word.cmd_info, arguments=1),
+    Command(
+        b"throttle",
+        WORD,
+        word.cmd_throttle,
+        arguments=3,
+        options=word.THROTTLE_OPTIONS,
+        wait_reply=word.throttle_line,
+    ),
     Command(b"ping", WORD, word.cmd_ping),
     Command(b"auth", WORD, word.cmd_auth, needs_auth=False, raw=True, secret=True),
 )

@@ -35,6 +35,8 @@ class Config:
     max_keys: int = 64
     max_waiters: int = 10_000
     max_holds: int = 10_000
+    # Throttle keys with state (a TAT in the future) at once.
+    max_throttles: int = 1_000_000
     # Sessions without a connection (in grace or owning leases) kept at once.
     max_sessions: int = 10_000
     # The longest WAIT, wait=, ttl= and set_timeout a request may ask for, in seconds.

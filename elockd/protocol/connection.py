@@ -36,11 +36,11 @@ from typing import Any, TypeVar
 from elockd.backend.interface import (
     REFUSALS,
     Backend,
-    Grant,
     Later,
     QueueFull,
     Result,
     TooManyHolds,
+    TooManyThrottles,
 )
 from elockd.engine.sessions import Session
 from elockd.protocol.arguments import Args, BadRequest
@@ -103,6 +103,9 @@ class Family:
         if isinstance(error, QueueFull):
             reports.refusal("--max-waiters", peer)
             return self.too_many_waiters
+        if isinstance(error, TooManyThrottles):
+            reports.refusal("--max-throttles", peer)
+            return b"413 Too Many Throttles\r\n"  # a word verb's only
         return self.unavailable
 
 
@@ -223,7 +226,7 @@ class Command:
         needs_auth: bool = True,
         raw: bool = False,
         secret: bool = False,
-        wait_reply: Callable[[Grant], bytes] | None = None,
+        wait_reply: Callable[[Any], bytes] | None = None,
     ) -> None:
         """``raw``: a word verb whose handler takes the rest of the line as it is
         (``auth``: a token may hold blanks). ``secret``: its arguments or its reply

@@ -41,6 +41,7 @@ def snapshot(books: Bookkeeping, counters: Counters) -> dict[str, int]:
     """Every `q` counter, sorted by name: the backend's from its books."""
     sizes = books.sizes()
     values = {
+        "admitted": books.admitted,
         "connections": counters.connections,
         "expired": books.expired,
         "handovers": counters.handovers,
@@ -52,6 +53,8 @@ def snapshot(books: Bookkeeping, counters: Counters) -> dict[str, int]:
         "shared_holders": sizes.shared_holders,
         "shared_locks": sizes.shared_locks,
         "shared_orphans": books.shared_orphans,
+        "throttled": books.throttled,
+        "throttles": sizes.throttles,
         "timeouts": books.timeouts,
         "waiting": sizes.waiting,
         **books.extra_counters(),
@@ -162,17 +165,18 @@ class Timings:
     """Wait-time and hold-time histograms per kind, fed by the engine's hooks.
 
     Indexed by the engine's ``shared`` flag: ``[False]`` is exclusive, ``[True]``
-    shared, so a hook call is one list index and one observe.
+    shared, so a hook call is one list index and one observe. Waits have a third
+    kind, ``[2]`` (:data:`~elockd.engine.throttles.THROTTLE_KIND`): throttle waits.
     """
 
     __slots__ = ("hold", "wait")
 
     def __init__(self) -> None:
-        self.wait = [Buckets(WAIT_BUCKETS), Buckets(WAIT_BUCKETS)]
+        self.wait = [Buckets(WAIT_BUCKETS), Buckets(WAIT_BUCKETS), Buckets(WAIT_BUCKETS)]
         self.hold = [Buckets(HOLD_BUCKETS), Buckets(HOLD_BUCKETS)]
 
-    def wait_ended(self, shared: bool, seconds: float) -> None:
-        self.wait[shared].observe(seconds)
+    def wait_ended(self, kind: int, seconds: float) -> None:
+        self.wait[kind].observe(seconds)
 
     def holds_ended(self, shared: bool, seconds: list[float]) -> None:
         self.hold[shared].observe_many(seconds)

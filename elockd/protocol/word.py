@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elockd.backend.interface import Grant, KeyInfo
+from elockd.engine.gcra import Rate, Verdict, milliseconds
 from elockd.engine.sessions import Session
-from elockd.protocol.arguments import Args, BadRequest, parse_number, parse_seconds
+from elockd.protocol.arguments import Args, BadRequest, parse_number, parse_seconds, parse_whole
 from elockd.protocol.connection import WORD, Delayed, Reply, answer
 from elockd.protocol.stats import render_stats
 
@@ -31,6 +32,7 @@ CONN_ID_REFUSED = b"403 cannot set conn id\r\n"
 TTL_OPTION = frozenset({b"ttl"})
 SHARED_OPTIONS = frozenset({b"limit", b"ttl"})
 MLOCK_OPTIONS = frozenset({b"wait", b"ttl"})
+THROTTLE_OPTIONS = frozenset({b"burst", b"cost", b"wait"})
 
 
 def cmd_lock(conn: Connection, args: Args, now: float) -> Reply:
@@ -162,6 +164,44 @@ def cmd_info(conn: Connection, args: Args, now: float) -> Reply:
         )
 
     return answer(conn.backend.info(key, now), line, WORD, conn.peer)
+
+
+def cmd_throttle(conn: Connection, args: Args, now: float) -> Reply:
+    """``throttle K COUNT PERIOD [burst=B] [cost=N] [wait=S]``: admitted or not by
+    the GCRA (docs/rate-limits.md); COUNT, PERIOD, B and N are this request's own."""
+    key = args.key()
+    if len(args.positional) < 3:
+        raise BadRequest("missing COUNT PERIOD" if len(args.positional) < 2 else "missing PERIOD")
+    count = parse_whole(args.positional[1], "COUNT", 1)
+    period = parse_seconds(args.positional[2], "PERIOD", args.max_seconds)
+    if period <= 0:
+        raise BadRequest("PERIOD must be above 0")
+    options = args.options
+    burst = count if b"burst" not in options else parse_whole(options[b"burst"], "burst", 1)
+    cost = 1 if b"cost" not in options else parse_whole(options[b"cost"], "cost", 0)
+    if cost > burst:
+        raise BadRequest("cost above burst")
+    wait_option = options.get(b"wait")
+    wait = 0.0 if wait_option is None else parse_seconds(wait_option, "wait", args.max_seconds)
+    result = conn.backend.throttle(
+        conn.session, key, now, Rate(count, period, burst, cost), wait=wait
+    )
+    return answer(result, throttle_line, WORD, conn.peer)
+
+
+def throttle_line(verdict: Verdict) -> bytes:
+    """``200 limit=B remaining=R reset=MS`` or ``409 limit=B remaining=0 retry=MS reset=MS``."""
+    if verdict.admitted:
+        return b"200 limit=%d remaining=%d reset=%d\r\n" % (
+            verdict.limit,
+            verdict.remaining,
+            milliseconds(verdict.reset),
+        )
+    return b"409 limit=%d remaining=0 retry=%d reset=%d\r\n" % (
+        verdict.limit,
+        max(1, milliseconds(verdict.retry)),
+        milliseconds(verdict.reset),
+    )
 
 
 def cmd_ping(conn: Connection, args: Args, now: float) -> Reply:

@@ -56,6 +56,7 @@ from elockd.backend.interface import (
     QueueFull,
     TooManyHolds,
 )
+from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.sessions import Session
 
 __all__ = ["ClusterHold", "ClusterLockSpace", "ClusterSession"]
@@ -246,6 +247,16 @@ class ClusterLockSpace(Backend):
                 if local is not None and local.lease_deadline is not None:
                     found.ttl = max(0.0, local.lease_deadline - trio.current_time())
             return found
+
+        return Later(run)
+
+    def throttle(
+        self, session: Session, key: bytes, now: float, rate: Rate, *, wait: float
+    ) -> Later[Verdict]:
+        """Not on a cluster yet: refused as the backend being unable to decide."""
+
+        async def run() -> Verdict:
+            raise BackendUnavailable("throttle is not served by a cluster node yet")
 
         return Later(run)
 
