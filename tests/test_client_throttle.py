@@ -4,12 +4,18 @@ limiter's settings (sans-IO, no server), then both against a real server."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
 
 import pytest
+import trio
+import trio.testing
 
 from elockd.client import (
     AuthError,
+    BlockingClient,
     BlockingRateLimiter,
+    Client,
     RateLimiter,
     RequestError,
     Throttled,
@@ -19,6 +25,9 @@ from elockd.client import (
 )
 from elockd.client.core import ClientCore
 from elockd.client.throttles import throttle_line
+from elockd.protocol.config import Config
+from tests.support.line_client import RunningServer
+from tests.support.server_process import start_server, stop_server
 
 
 def asked(reply: bytes, **call: object) -> ThrottleResult:
@@ -191,3 +200,218 @@ def test_throttled_is_an_unavailable_with_the_retry() -> None:
     error = Throttled("limited", result)
     assert isinstance(error, Unavailable)
     assert (error.retry_after, error.result) == (0.2, result)
+
+
+# ------------------------------------------------ against a server (trio, mock clock)
+
+
+async def test_ten_per_minute_admits_ten_then_says_when_to_retry(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with Client(port=server.port) as client:
+        results = [await client.throttle("api", 10, 60) for _ in range(11)]
+    assert all(result.admitted for result in results[:10])
+    assert [result.remaining for result in results[:10]] == list(range(9, -1, -1))
+    assert results[0] == ThrottleResult(True, 10, 9, 0.0, 6.0)
+    assert results[10] == ThrottleResult(
+        admitted=False, limit=10, remaining=0, retry_after=6.0, reset_after=60.0
+    )
+
+
+async def test_a_wait_is_admitted_when_the_rate_allows(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with Client(port=server.port) as client:
+        for _ in range(10):
+            assert (await client.throttle("api", 10, 60)).admitted
+        start = trio.current_time()
+        short = await client.throttle("api", 10, 60, wait=5)  # 5 s is not enough
+        waited = trio.current_time() - start  # (the server may say so at once)
+        assert (short.admitted, short.retry_after) == (False, pytest.approx(6 - waited))
+        result = await client.throttle("api", 10, 60, wait=7)
+        assert trio.current_time() - start == pytest.approx(6)
+        assert result.admitted and result.remaining == 0
+
+
+async def test_a_peek_changes_nothing(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with Client(port=server.port) as client:
+        for _ in range(3):
+            await client.throttle("api", 10, 60)
+        peeks = [await client.throttle("api", 10, 60, cost=0) for _ in range(3)]
+        assert {(peek.admitted, peek.remaining) for peek in peeks} == {(True, 7)}
+        after = await client.throttle("api", 10, 60, cost=2)
+        assert (after.admitted, after.remaining) == (True, 5)
+
+
+@pytest.mark.parametrize("server_config", [Config(port=0, metrics_port=0, max_throttles=1)])
+async def test_refusals_raise_and_change_nothing(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with Client(port=server.port) as client:
+        with pytest.raises(RequestError, match="400 Bad Request: cost above burst") as raised:
+            await client.throttle("api", 10, 60, cost=11)
+        assert raised.value.reply.startswith(b"400 ")
+        assert (await client.throttle("api", 10, 60)).remaining == 9
+        with pytest.raises(RequestError, match="413 Too Many Throttles"):
+            await client.throttle("another", 10, 60)
+        assert (await client.throttle("api", 10, 60)).remaining == 8  # still usable
+
+
+# ---------------------------------------------------------------- RateLimiter
+
+
+def assert_within_rate(starts: list[float], since: float, burst: int, per_second: float) -> None:
+    """The k-th call (from 1) began no sooner than ``(k - burst) / per_second`` after
+    ``since``, a time before any admission: the calls never outran the rate."""
+    for k, start in enumerate(sorted(starts), start=1):
+        assert start - since >= (k - burst) / per_second - 1e-6, (k, start - since)
+
+
+async def test_rate_limiter_caps_rate_and_concurrency_at_once(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    """Both caps bind in one run: short calls meet the rate (10 per second, burst
+    2), long ones the concurrency (3 in flight)."""
+    active = peak = 0
+    starts: list[float] = []
+    jobs = list(range(30))
+
+    async def worker(limiter: RateLimiter) -> None:
+        nonlocal active, peak
+        while jobs:
+            job = jobs.pop()
+            async with limiter.slot() as hold:
+                assert hold is not None and hold.shared
+                starts.append(trio.current_time())
+                active += 1
+                peak = max(peak, active)
+                await trio.sleep(1.0 if job % 3 == 0 else 0.01)
+                active -= 1
+
+    since = trio.current_time()
+    async with (
+        RateLimiter("both", 3, rate=(10, 1.0), burst=2, port=server.port, wait=100) as limiter,
+        trio.open_nursery() as nursery,
+    ):
+        for _ in range(8):
+            nursery.start_soon(worker, limiter)
+    assert len(starts) == 30 and peak == 3
+    assert_within_rate(starts, since, burst=2, per_second=10)
+    # The rate is used, not starved: 30 calls at 10 per second, burst 2, plus the
+    # waits for a place behind the long calls.
+    assert max(starts) - since <= 4.5
+    observer = await server.connect()
+    stats = await observer.stats()
+    assert (stats["admitted"], stats["throttled"], stats["waiting"]) == (30, 0, 0)
+
+
+async def test_rate_limiter_on_a_rate_alone_spaces_the_calls(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    starts: list[float] = []
+
+    async def worker(limiter: RateLimiter) -> None:
+        async with limiter.slot() as hold:
+            assert hold is None  # no concurrency cap, no hold
+            starts.append(trio.current_time())
+
+    since = trio.current_time()
+    async with (
+        RateLimiter("spaced", rate=(5, 1.0), burst=1, port=server.port) as limiter,
+        trio.open_nursery() as nursery,
+    ):
+        for _ in range(6):
+            nursery.start_soon(worker, limiter)
+    assert sorted(start - since for start in starts) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+
+
+async def test_rate_limiter_raises_throttled_when_no_turn_comes(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with RateLimiter("once", rate=(1, 60), port=server.port, wait=None) as limiter:
+        async with limiter.slot():
+            pass
+        with pytest.raises(Throttled, match="'once': limited, retry after 60.000 s") as raised:
+            async with limiter.slot():
+                raise AssertionError("a limited slot ran its block")
+        assert raised.value.retry_after == 60.0 and not raised.value.result.admitted
+    async with RateLimiter("short", 1, rate=(1, 60), port=server.port, wait=10) as limiter:
+        async with limiter.slot():
+            pass
+        start = trio.current_time()
+        with pytest.raises(Throttled) as raised:
+            async with limiter.slot():
+                raise AssertionError("a limited slot ran its block")
+        waited = trio.current_time() - start
+        assert waited <= 10  # wait bounds the turn (the server may say no at once)
+        assert raised.value.retry_after == pytest.approx(60 - waited)
+
+
+async def test_a_rate_wait_given_up_leaves_the_line(
+    server: RunningServer, mock_clock: trio.testing.MockClock
+) -> None:
+    """A cancelled slot still in the rate's line drops its connection: the server
+    takes the waiter out of line, and it spends nothing."""
+    observer = await server.connect()
+    async with RateLimiter("line", 1, rate=(1, 60), port=server.port, wait=100) as limiter:
+        async with limiter.slot():
+            pass
+        with trio.move_on_after(5):
+            async with limiter.slot():
+                raise AssertionError("admitted within 5 s of a 60 s turn")
+        await trio.sleep(1)
+        assert (await observer.stats())["waiting"] == 0
+        assert await observer.request(b"throttle line 1 60 cost=0") == (
+            b"200 limit=1 remaining=0 reset=54000"
+        )
+        with trio.move_on_after(60):  # the limiter still works: the turn at 60 s
+            async with limiter.slot():
+                assert trio.current_time() == pytest.approx(60, abs=0.01)
+
+
+# ------------------------------------------------ the blocking client, a real process
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    process, port = start_server()
+    yield port
+    stop_server(process)
+
+
+def test_blocking_ten_per_minute(port: int) -> None:
+    with BlockingClient(port=port) as client:
+        results = [client.throttle("sync-api", 10, 60) for _ in range(11)]
+    assert [result.admitted for result in results] == [True] * 10 + [False]
+    assert 5.9 < results[10].retry_after <= 6.0  # real time passed between the calls
+    assert results[10].reset_after == pytest.approx(60, abs=0.1)
+
+
+def test_blocking_rate_limiter_caps_rate_and_concurrency(port: int) -> None:
+    active = peak = 0
+    starts: list[float] = []
+    meter = threading.Lock()
+
+    def worker(limiter: BlockingRateLimiter) -> None:
+        nonlocal active, peak
+        for _ in range(3):
+            with limiter.slot():
+                with meter:
+                    starts.append(time.monotonic())
+                    active += 1
+                    peak = max(peak, active)
+                time.sleep(0.05)
+                with meter:
+                    active -= 1
+
+    since = time.monotonic()  # the server's clock is the same monotonic clock
+    with BlockingRateLimiter("sync-both", 2, rate=(20, 1.0), burst=1, port=port) as limiter:
+        threads = [threading.Thread(target=worker, args=(limiter,)) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(starts) == 12 and 1 <= peak <= 2
+    assert_within_rate(starts, since, burst=1, per_second=20)
