@@ -3,6 +3,7 @@ limiter's settings (sans-IO, no server), then both against a real server."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -415,3 +416,41 @@ def test_blocking_rate_limiter_caps_rate_and_concurrency(port: int) -> None:
             thread.join()
     assert len(starts) == 12 and 1 <= peak <= 2
     assert_within_rate(starts, since, burst=1, per_second=20)
+
+
+def test_blocking_limiter_interrupted_in_the_rate_line_leaves_it(port: int) -> None:
+    """A signal handler raising (Ctrl-C) while a slot waits in the rate's line: the
+    slot's connection is closed, which takes the waiter out of the server's line."""
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with (
+            BlockingRateLimiter("sync-line", rate=(1, 60), port=port, wait=100) as limiter,
+            BlockingClient(port=port) as observer,
+        ):
+            with limiter.slot():
+                pass
+            timer = threading.Timer(
+                0.3, signal.pthread_kill, [threading.get_ident(), signal.SIGUSR1]
+            )
+            timer.start()
+            started = time.monotonic()
+            with pytest.raises(Interrupted), limiter.slot():
+                raise AssertionError("admitted within 0.3 s of a 60 s turn")
+            timer.join()
+            assert time.monotonic() - started < 5  # not held up by the wait behind
+            waiting = observer.stats()["waiting"]
+            for _ in range(100):  # the server sees the connection's end at once
+                if waiting == 0:
+                    break
+                time.sleep(0.02)
+                waiting = observer.stats()["waiting"]
+            assert waiting == 0
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
