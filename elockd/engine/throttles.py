@@ -167,7 +167,10 @@ class Throttles:
         if key not in self.tats:
             if len(self.tats) >= self.max_throttles:
                 raise TooManyThrottles(key)
-            heapq.heappush(self._lapses, (new, key))
+            lapses = self._lapses
+            heapq.heappush(lapses, (new, key))
+            if lapses[0][1] is key and self.books.on_new_deadline is not None:
+                self.books.on_new_deadline()  # the timer sleeps until the earliest
         self.tats[key] = new
 
     # ------------------------------------------------------------- the line
