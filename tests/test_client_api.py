@@ -32,6 +32,7 @@ def test_the_public_calls_are_all_there() -> None:
         "resume",
         "set_grace",
         "command",
+        "throttle",
     }
 
 

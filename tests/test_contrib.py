@@ -266,6 +266,40 @@ def test_rate_limited_worker_example(port: int, mode: list[str]) -> None:
     assert int(calls) == 10 and 1 <= int(peak) <= 2  # 1 only on a badly overloaded machine
 
 
+@pytest.mark.parametrize(("flags", "limit"), [(["--limit", "2"], "limit 2"), ([], "no limit")])
+def test_rate_limited_worker_with_a_rate(port: int, flags: list[str], limit: str) -> None:
+    """``--rate 20/1s --burst 2``: 12 calls cannot take less than (12 - 2) / 20 s."""
+    argv = ["--port", str(port), "--key", f"rated-{len(flags)}", "--rate", "20/1s"]
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(CONTRIB / "rate_limited_worker.py"),
+            *argv,
+            "--burst",
+            "2",
+            *flags,
+            "--workers",
+            "4",
+            "--jobs",
+            "12",
+            "--call-time",
+            "0.01",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = re.fullmatch(
+        rf"12 calls, at most (\d+) in flight \({limit}\), in ([\d.]+) s "
+        r"\(rate 20 per 1 s, burst 2\)\n",
+        result.stdout,
+    )
+    assert summary is not None, result.stdout
+    peak, elapsed = summary.groups()
+    assert float(elapsed) >= 0.5 and 1 <= int(peak) <= 4
+
+
 def test_rate_limit_holds_across_processes(port: int) -> None:
     """Two worker processes share one limit: the server never sees 3 holders."""
     peak = 0

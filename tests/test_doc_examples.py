@@ -6,6 +6,10 @@ and its output must be the lines shown. What varies from run to run is masked on
 both sides: client ports, fencing tokens, seconds left, counters; a session id shown
 by one command and used by a later one is replaced by the one this run got.
 
+docs/rate-limits.md's sessions (``nc`` and ``elockctl throttle``) run the same way;
+the milliseconds and seconds a rate reply gives may be a little off what the page
+shows (time passes between the commands), the counts may not.
+
 docs/operations.md's ``openssl s_client`` probe of a TLS port must end by itself
 and show the replies.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +96,55 @@ def test_word_family_sessions_run_as_documented(port: int) -> None:
             SESSION_ID.findall(example.output), SESSION_ID.findall(got), strict=True
         ):
             learned.setdefault(shown, real)
+
+
+#: A rate reply's durations: milliseconds on the wire, seconds from elockctl.
+DURATION = re.compile(
+    r"(?<=reset=)\d+|(?<=retry=)\d+|(?<=retry after )\d+\.\d+|(?<=_after: )\d+\.\d+"
+)
+
+
+def same_but_durations(got: str, shown: str) -> bool:
+    """Equal text, durations within 50 ms (wire milliseconds) or 2 % (seconds)."""
+    if DURATION.sub("D", got) != DURATION.sub("D", shown):
+        return False
+    for real, documented in zip(DURATION.findall(got), DURATION.findall(shown), strict=True):
+        if "." in documented:
+            if abs(float(real) - float(documented)) > 0.05 + 0.02 * float(documented):
+                return False
+        elif abs(int(real) - int(documented)) > 50:
+            return False
+    return True
+
+
+@pytest.fixture
+def own_port() -> Iterator[int]:
+    """A server of the test's own: the keys other pages' sessions leave held (a
+    lease on ``partner-api``) are not in this page's way."""
+    assert shutil.which("nc"), "nc is needed (Debian: netcat-openbsd)"
+    process, port = start_server()
+    yield port
+    stop_server(process)
+
+
+def test_rate_limit_sessions_run_as_documented(own_port: int) -> None:
+    examples = console_examples(DOCS / "rate-limits.md")
+    assert len(examples) >= 6, "an nc session for each way to limit work, and elockctl"
+    port = own_port
+    elockctl = f"{sys.executable} -m elockd.ctl --port {port} "
+    for example in examples:
+        command = example.command.replace("9999", str(port)).replace("elockctl ", elockctl)
+        result = subprocess.run(
+            ["sh", "-c", command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # as a terminal shows them
+            text=True,
+            timeout=60,
+        )
+        got = result.stdout.replace("\r\n", "\n")
+        where = f"docs/rate-limits.md:{example.line}: {example.command}"
+        # (no status check: a loop whose last run was limited ends in 1)
+        assert same_but_durations(got, example.output), f"{where}\n{got}"
 
 
 def test_the_openssl_probe_of_operations_md_ends_by_itself(

@@ -3,8 +3,9 @@
 Both speak the word family and offer the same API: ``lock``/``shared``/``mlock``
 context managers yielding a :class:`Hold` (fencing ``token``, ``lost`` flag,
 ``on_lost`` callback), leases that renew themselves,
-``info``/``stats``/``ping``/``session_id``/``resume``, and a :class:`RateLimiter` /
-:class:`BlockingRateLimiter` on shared locks. See docs/client.md.
+``info``/``stats``/``ping``/``session_id``/``resume``, ``throttle`` (a rate limit,
+:class:`ThrottleResult`), and a :class:`RateLimiter` / :class:`BlockingRateLimiter`
+that caps a rate, a concurrency or both. See docs/client.md and docs/rate-limits.md.
 
 The layers, from the wire up, each written once for both clients:
 
@@ -32,8 +33,10 @@ from elockd.client.errors import (
     ProtocolError,
     ReplyTimeout,
     RequestError,
+    Throttled,
     Unavailable,
 )
+from elockd.client.throttles import ThrottleResult
 from elockd.client.tls import tls_context
 from elockd.client.trio_client import Client, RateLimiter
 
@@ -53,6 +56,8 @@ __all__ = [
     "RateLimiter",
     "ReplyTimeout",
     "RequestError",
+    "ThrottleResult",
+    "Throttled",
     "Unavailable",
     "tls_context",
 ]

@@ -24,8 +24,10 @@ from elockd.client.core import (
     Settable,
     encode_key,
 )
+from elockd.client.errors import Throttled
 from elockd.client.methods import Block, Call
 from elockd.client.replies import quoted
+from elockd.client.throttles import ThrottleResult, throttle_line
 from elockd.client.websocket import parse_url
 
 log = logging.getLogger("elockd.client")
@@ -72,6 +74,7 @@ class ClientBase:
         ``hold.tokens`` has each key's fencing token.""",
     )
     info = Call(calls.info)
+    throttle = Call(calls.throttle)
     stats = Call(calls.stats)
     ping = Call(calls.ping)
     session_id = Call(calls.session_id)
@@ -156,26 +159,79 @@ def describe(error: BaseException) -> str:
 
 class RateLimiterBase:
     """The settings of a rate limiter (:class:`elockd.client.RateLimiter`,
-    :class:`elockd.client.BlockingRateLimiter`): at most ``limit`` concurrent
-    holders of ``key``, each slot waiting up to ``wait`` seconds, a lease of ``ttl``
-    when given; ``client_options`` are those of the clients it opens."""
+    :class:`elockd.client.BlockingRateLimiter`), which caps the work on ``key``
+    across every process that uses the same key and settings:
+
+    * a **concurrency**, ``limit=N``: at most N slots held at once (a shared hold
+      ``lock_shared KEY limit=N`` per slot, with a lease of ``ttl`` when given);
+    * a **rate**, ``rate=(COUNT, PERIOD)``: at most COUNT slots begun per PERIOD
+      seconds on average, ``burst`` at once (default COUNT), through ``throttle``;
+    * **both**: a slot first waits for its rate turn, then for a free place.
+
+    ``wait`` bounds a slot's whole wait, both steps together (None: try once and
+    raise at once). ``client_options`` are those of the clients it opens.
+    ``RateLimiter(key, 5)`` is the concurrency cap it always was.
+    """
 
     def __init__(
         self,
         key: KeyLike,
-        limit: int,
+        limit: int | None = None,
         *,
+        rate: tuple[int, float] | None = None,
+        burst: int | None = None,
         wait: float | None = 60.0,
         ttl: float | None = None,
         **client_options: Any,
     ) -> None:
         encode_key(key)
-        if limit < 1:
+        if limit is None and rate is None:
+            raise ValueError("give limit=N (concurrency), rate=(COUNT, PERIOD), or both")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise ValueError(f"limit must be a whole number >= 1, not {limit!r}")
+        if limit is not None and limit < 1:
             raise ValueError("limit must be at least 1")
+        if rate is not None:
+            count, period = rate
+            throttle_line(key, count, period, burst)  # the same checks as a call's
+            rate = (count, period)
+        elif burst is not None:
+            raise ValueError("burst needs rate=(COUNT, PERIOD)")
+        if ttl is not None and limit is None:
+            raise ValueError("ttl is the lease of a concurrency slot: it needs limit=N")
         self.key, self.limit, self.wait, self.ttl = key, limit, wait, ttl
+        self.rate, self.burst = rate, burst
         self.client_options = client_options
         self._init_pool()
 
     def _init_pool(self) -> None:
         """The subclass's pool of connections, one per slot in use."""
         raise NotImplementedError
+
+    def _turn(self, cost: int) -> dict[str, Any]:
+        """The ``throttle`` call of a slot's rate step (``rate`` is set)."""
+        assert self.rate is not None
+        count, period = self.rate
+        return {
+            "key": self.key,
+            "count": count,
+            "period": period,
+            "burst": self.burst,
+            "cost": cost,
+            "wait": self.wait,
+        }
+
+    def _admitted(self, result: ThrottleResult) -> None:
+        """Raise :class:`Throttled` unless the rate step passed."""
+        if not result.admitted:
+            raise Throttled(
+                f"throttle {quoted(encode_key(self.key))}: limited, "
+                f"retry after {result.retry_after:.3f} s",
+                result,
+            )
+
+    def _left(self, started: float, now: float) -> float | None:
+        """What is left of ``wait`` for the slot step after the rate step."""
+        if self.wait is None:
+            return None
+        return max(0.0, self.wait - (now - started))

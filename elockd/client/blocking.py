@@ -305,12 +305,13 @@ class BlockingClient(ClientBase):
 
 
 class BlockingRateLimiter(RateLimiterBase):
-    """:class:`elockd.client.RateLimiter` for threads: at most ``limit`` concurrent
-    holders of ``key`` everywhere; each slot uses a pooled connection of its own.
+    """:class:`elockd.client.RateLimiter` for threads: a concurrency (``limit``), a
+    rate (``rate=(COUNT, PERIOD)``, ``burst``) or both on ``key`` everywhere; each
+    slot uses a pooled connection of its own.
 
     ::
 
-        limiter = BlockingRateLimiter("partner-api", 5, host="locks.internal")
+        limiter = BlockingRateLimiter("partner-api", 5, rate=(100, 60), host="locks.internal")
         with limiter.slot():
             call_partner_api()
     """
@@ -332,17 +333,34 @@ class BlockingRateLimiter(RateLimiterBase):
             client.close()
 
     @contextlib.contextmanager
-    def slot(self, on_lost: OnLost = None) -> Iterator[Hold]:
-        """Hold one of the ``limit`` slots for the block (waits up to ``wait``)."""
+    def slot(self, on_lost: OnLost = None, *, cost: int = 1) -> Iterator[Hold | None]:
+        """Hold a slot for the block: the rate turn, then a place (see
+        :meth:`elockd.client.RateLimiter.slot`)."""
         with self._pool_lock:
             client = self._idle.pop() if self._idle else None
         if client is None or client.core.error is not None:
             client = BlockingClient(**self.client_options)
             client.connect()
+        started = time.monotonic()
+        in_line = False  # a rate wait whose answer has not come: still in line
         try:
-            with client.shared(self.key, self.limit, self.wait, self.ttl, on_lost) as hold:
-                yield hold
+            if self.rate is not None:
+                in_line = True
+                result = client.throttle(**self._turn(cost))
+                in_line = False
+                self._admitted(result)
+            if self.limit is None:
+                yield None
+            else:
+                wait = self._left(started, time.monotonic())
+                with client.shared(self.key, self.limit, wait, self.ttl, on_lost) as hold:
+                    yield hold
         finally:
+            with client._lock:
+                if in_line and client.core.pending:
+                    # Interrupted in the rate's line: only the connection's end
+                    # takes the wait off the server.
+                    client.core.fail(ConnectionLost("a rate wait was given up"), time.monotonic())
             if client.core.error is None:
                 with self._pool_lock:
                     self._idle.append(client)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from elockd.client import core
 from elockd.client.core import ClientCore, Hold, KeyLike, LockInfo, Operation, Request
 from elockd.client.errors import ElockError
+from elockd.client.throttles import ThrottleResult, parse_throttle, throttle_line
 
 OnLost = Callable[[Hold], object] | None
 
@@ -84,6 +85,32 @@ def leave(client: ClientCore, now: float, hold: Hold, failed: bool) -> Operation
 def info(client: ClientCore, now: float, key: KeyLike) -> Operation[LockInfo]:
     """Who holds ``key`` and how (``info K``)."""
     return client.simple(b"info " + core.encode_key(key), now, core.parse_info)
+
+
+def throttle(
+    client: ClientCore,
+    now: float,
+    key: KeyLike,
+    count: int,
+    period: float,
+    burst: int | None = None,
+    cost: int = 1,
+    wait: float | None = None,
+) -> Operation[ThrottleResult]:
+    """A rate limit: at most ``count`` per ``period`` seconds on ``key``, ``burst``
+    at once (default ``count``), this call weighing ``cost`` (0: a peek that
+    changes nothing). With ``wait`` the server keeps the call in line up to that
+    many seconds, first come first served, until the rate lets it pass.
+
+    Returns a :class:`~elockd.client.throttles.ThrottleResult` either way (look at
+    ``admitted``); raises :class:`RequestError` for a bad value (``400``), a full
+    server (``413 Too Many Throttles``, ``413 Too Many Waiters``) and ``409 Backend
+    Unavailable``. A cancelled wait stays in line on the server until this
+    connection closes (the protocol has no verb to leave a line), and requests
+    sent after it on this client wait behind it.
+    """
+    line = throttle_line(key, count, period, burst, cost, wait)
+    return client.simple(line, now, parse_throttle, wait=wait or 0.0)
 
 
 def stats(client: ClientCore, now: float) -> Operation[dict[str, int]]:

@@ -562,7 +562,7 @@ class ClientCore:
                     f"shared lock {quoted(raw)} full ({holders} holders)", holders=holders
                 )
             if code != 200:
-                raise _refusal(request)
+                raise refusal(request)
             holders = int(request.reply.split()[1])
             hold = Hold((raw,), shared=True, ttl=ttl, tokens={}, holders=holders, on_lost=on_lost)
             self._track(hold, request, now, bool(wait))
@@ -662,9 +662,13 @@ class ClientCore:
 
         return Operation(requests, finish)
 
-    def simple(self, line: bytes, now: float, parse: Callable[[Request], T]) -> Operation[T]:
-        """One request, one result: ``ping``, ``info``, ``stats``, ``conn_id``…"""
-        request = self.submit(line, now)
+    def simple(
+        self, line: bytes, now: float, parse: Callable[[Request], T], *, wait: float = 0.0
+    ) -> Operation[T]:
+        """One request, one result: ``ping``, ``info``, ``stats``, ``conn_id``,
+        ``throttle``… ``wait``: the seconds the server may keep it waiting before
+        it answers (added to its reply deadline)."""
+        request = self.submit(line, now, wait=wait)
         return Operation([request], lambda: parse(request))
 
     def close_holds(self, reason: str, now: float) -> None:
@@ -681,7 +685,9 @@ def not_granted(request: Request) -> bool:
     return request.code == 409 and request.reply != BACKEND_UNAVAILABLE
 
 
-def _refusal(request: Request) -> RequestError:
+def refusal(request: Request) -> RequestError:
+    """The error for a reply that is no answer to ``request``: :class:`AuthError`
+    for an auth refusal, else :class:`RequestError`, both naming verb and reply."""
     reply = request.reply
     message = f"{printable(request_verb(request.line))}: {printable(reply)}"
     if reply in AUTH_REFUSALS or reply.startswith(b"403 Bad Token"):
@@ -691,7 +697,7 @@ def _refusal(request: Request) -> RequestError:
 
 def _expect(request: Request, wanted: bytes) -> None:
     if request.reply != wanted:
-        raise _refusal(request)
+        raise refusal(request)
 
 
 # ---------------------------------------------------------------- reply parsers
@@ -707,7 +713,7 @@ def parse_ok(wanted: bytes) -> Callable[[Request], None]:
 def parse_word(request: Request) -> bytes:
     """The text after ``200 `` (``conn_id``)."""
     if request.code != 200:
-        raise _refusal(request)
+        raise refusal(request)
     return request.reply[4:]
 
 
@@ -716,13 +722,13 @@ def parse_resume(request: Request) -> bool:
         return True
     if request.reply == b"403 cannot set conn id":
         return False
-    raise _refusal(request)
+    raise refusal(request)
 
 
 def parse_info(request: Request) -> LockInfo:
     match = _INFO.match(request.reply)
     if match is None:
-        raise _refusal(request)
+        raise refusal(request)
     owner, ttl, token = match["owner"], match["ttl"], match["token"]
     return LockInfo(
         key=match["key"],
@@ -737,7 +743,7 @@ def parse_info(request: Request) -> LockInfo:
 def parse_stats(request: Request) -> dict[str, int]:
     """``stats``: ``200 STATS``, ``STAT name value`` lines, ``END``."""
     if request.reply != b"200 STATS":
-        raise _refusal(request)
+        raise refusal(request)
     values: dict[str, int] = {}
     for line in request.lines[1:-1]:
         _, name, value = line.decode().split(" ", 2)
@@ -763,9 +769,9 @@ def parse_checked(request: Request) -> list[bytes]:
     reply = request.reply
     verb = request_verb(request.line)
     if reply in AUTH_REFUSALS or (request.multiline and is_refusal(reply)):
-        raise _refusal(request)
+        raise refusal(request)
     if verb in TERSE_ANSWERS and terse_answer(verb, reply) is None:
-        raise _refusal(request)
+        raise refusal(request)
     return parse_lines(request)
 
 

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # throttles imports core, which imports this module
+    from elockd.client.throttles import ThrottleResult
 
 
 class LostHold(Protocol):
@@ -78,6 +81,18 @@ class Unavailable(ElockError):
         super().__init__(message)
         self.holders = holders
         self.keys = keys
+
+
+class Throttled(Unavailable):
+    """A rate limiter's turn was not given within ``wait``: the key's rate is used
+    up. ``retry_after`` is the seconds until a call of the same cost would pass if
+    nobody else came; ``result`` the server's whole answer (a
+    :class:`~elockd.client.throttles.ThrottleResult`)."""
+
+    def __init__(self, message: str, result: ThrottleResult) -> None:
+        super().__init__(message)
+        self.result = result
+        self.retry_after = result.retry_after
 
 
 class LockLost(ElockError):

@@ -322,13 +322,17 @@ class Client(ClientBase):
 
 
 class RateLimiter(RateLimiterBase):
-    """At most ``limit`` concurrent holders of ``key``, across every process and
-    task that uses the same key and limit: "at most N workers hit this API".
+    """A cap on the work done on ``key``, across every process and task that uses
+    the same key and settings: a concurrency (``limit``: "at most N calls to this
+    API in flight"), a rate (``rate=(COUNT, PERIOD)``: "at most COUNT calls per
+    PERIOD seconds, ``burst`` at once"), or both; see
+    :class:`~elockd.client.base.RateLimiterBase`.
 
-    Each slot is a shared hold on its own connection (a session holds a key once),
-    taken from a pool, so the tasks of one process count separately::
+    Each slot uses a connection of its own from a pool (a session holds a key once,
+    and a wait holds up the requests behind it), so the tasks of one process count
+    separately::
 
-        async with RateLimiter("partner-api", 5, wait=60) as limiter:
+        async with RateLimiter("partner-api", 5, rate=(100, 60), wait=60) as limiter:
             async with limiter.slot():
                 await call_partner_api()
     """
@@ -362,8 +366,13 @@ class RateLimiter(RateLimiterBase):
             await self._stack.aclose()
 
     @asynccontextmanager
-    async def slot(self, on_lost: OnLost = None) -> AsyncIterator[Hold]:
-        """Hold one of the ``limit`` slots for the block (waits up to ``wait``)."""
+    async def slot(self, on_lost: OnLost = None, *, cost: int = 1) -> AsyncIterator[Hold | None]:
+        """Hold a slot for the block: wait for the rate turn (``rate``; the turn
+        weighs ``cost``), then for one of the ``limit`` places, ``wait`` seconds at
+        most in all. Yields the shared :class:`Hold` (None without ``limit``).
+        Raises :class:`~elockd.client.errors.Throttled` when the rate gave no turn
+        in time, :class:`~elockd.client.errors.Unavailable` when no place was
+        free."""
         if self._nursery is None:
             raise RuntimeError("use 'async with RateLimiter(...)' first")
         client = self._idle.pop() if self._idle else None
@@ -371,10 +380,25 @@ class RateLimiter(RateLimiterBase):
             client = Client(**self.client_options)
             await client.start(self._nursery)
             self._all.append(client)
+        started = trio.current_time()
+        in_line = False  # a rate wait whose answer has not come: still in line
         try:
-            async with client.shared(self.key, self.limit, self.wait, self.ttl, on_lost) as hold:
-                yield hold
+            if self.rate is not None:
+                in_line = True
+                result = await client.throttle(**self._turn(cost))
+                in_line = False
+                self._admitted(result)
+            if self.limit is None:
+                yield None
+            else:
+                wait = self._left(started, trio.current_time())
+                async with client.shared(self.key, self.limit, wait, self.ttl, on_lost) as hold:
+                    yield hold
         finally:
+            if in_line and client.core.pending:
+                # Given up while in the rate's line: only the connection's end
+                # takes the wait off the server (and out of this connection's way).
+                client.core.fail(ConnectionLost("a rate wait was given up"), client._now())
             # A cancelled or failed slot queued its release already: reusable.
             if client.core.error is None:
                 self._idle.append(client)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shlex
 import ssl
 from importlib import metadata
@@ -64,6 +65,27 @@ COMMAND from the terminal already.
 """
 
 
+THROTTLE_EPILOG = """\
+COUNT/PERIOD: at most COUNT runs per PERIOD on average, --burst at once (default
+COUNT). PERIOD is seconds, or has a unit: s, m, h (100/1m, 5/1s, 10/60, 1000/h).
+Every caller of KEY should give the same rate. Options end at COMMAND: 'elockctl
+throttle K 5/1s cmd -w 1' runs 'cmd -w 1'.
+
+exit status:
+  COMMAND's own     when admitted (128+N if a signal N killed it)
+  0                 --peek: the five fields were printed
+  1                 limited: not admitted at once, or within -w (the line on
+                    stderr says when a retry would pass)
+  2                 usage error (a bad COUNT/PERIOD, a KEY with a blank, the
+                    server's '400 Bad Request', such as a cost above the burst)
+  3                 could not tell: the server cannot be reached, wants a token or
+                    refused it, is full ('413 Too Many Throttles', '413 Too Many
+                    Waiters'), has no etcd quorum ('409 Backend Unavailable'), or
+                    sent something that is not an elockd reply
+  126, 127          COMMAND cannot run, is not found
+"""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors that name the option, and exit status 2.
     ``commands`` holds the parser of each command, for errors worded as its own."""
@@ -108,6 +130,30 @@ def whole_number(text: str, low: int, high: int, what: str) -> int:
     if not low <= value <= high:
         raise argparse.ArgumentTypeError(f"'{text}' is not {what}")
     return value
+
+
+#: COUNT/PERIOD: a whole COUNT, a PERIOD in seconds with an optional unit (the
+#: number may be left out before a unit: 100/m is 100/1m).
+RATE = re.compile(r"(?P<count>\d+)/(?P<period>\d+(?:\.\d*)?|\.\d+)?(?P<unit>[smh]?)\Z")
+UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def rate(text: str) -> tuple[int, float]:
+    """``COUNT/PERIOD`` as (count, seconds): ``100/1m``, ``5/1s``, ``10/60``."""
+    match = RATE.match(text)
+    if match is not None and (match["period"] or match["unit"]):
+        count = int(match["count"])
+        period = float(match["period"] or 1) * UNITS[match["unit"]]
+        if count >= 1 and period > 0 and math.isfinite(period):
+            return count, period
+    raise argparse.ArgumentTypeError(
+        f"'{text}' is not a rate: COUNT/PERIOD, a whole COUNT of 1 or more per a PERIOD "
+        "above 0 in seconds or with a unit s, m or h (100/1m, 5/1s, 10/60)"
+    )
+
+
+def cost(text: str) -> int:
+    return whole_number(text, 1, 2**31, "a whole cost, 1 or more (--peek asks at cost 0)")
 
 
 def holders(text: str) -> int:
@@ -193,6 +239,7 @@ def build_parser() -> Parser:
     dump = commands.add_parser("dump", help="every hold: 'KEY: OWNER' lines")
     dump.add_argument("--shared", action="store_true", help="shared holds instead of exclusive")
     add_lock_parser(commands)
+    add_throttle_parser(commands)
     upgrade = commands.add_parser(
         "upgrade",
         help="hand a running elockd's connections and locks to a new one",
@@ -303,6 +350,65 @@ def add_lock_parser(commands: Any) -> None:
     )
 
 
+def add_throttle_parser(commands: Any) -> None:
+    throttle = commands.add_parser(
+        "throttle",
+        help="run COMMAND if KEY's rate allows it (at most COUNT per PERIOD)",
+        description="Ask the server's rate limit for KEY (throttle, GCRA); run COMMAND "
+        "when admitted, exit 1 when limited. With --peek, print the limit's state.",
+        usage="elockctl throttle [options] KEY COUNT/PERIOD [options] [--] COMMAND [ARGS...]\n"
+        "       elockctl throttle [options] KEY COUNT/PERIOD --peek [--json]",
+        epilog=THROTTLE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = throttle.add_argument
+    add("key", metavar="KEY", help="the key (one word: no blanks)")
+    add("rate", metavar="COUNT/PERIOD", type=rate, help="the rate, e.g. 100/1m")
+    add("--burst", type=holders, metavar="B", help="at most B at once (default: COUNT)")
+    add("--cost", type=cost, metavar="N", help="this run weighs N (default: 1)")
+    add(
+        "-w",
+        "--wait",
+        type=seconds,
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds in line for the rate to allow it, first come first "
+        "served (default: 0, ask once)",
+    )
+    add(
+        "--peek",
+        action="store_true",
+        help="run nothing and spend nothing (cost 0): print admitted, limit, "
+        "remaining, retry_after, reset_after",
+    )
+    add("--json", action="store_true", help="with --peek: print a JSON object instead")
+    add(
+        "argv",
+        nargs="*",
+        metavar="COMMAND ARGS",
+        help="what to run when admitted; options end at COMMAND ('--' before it also works)",
+    )
+
+
+def check_throttle_args(throttle: Parser, args: argparse.Namespace, command: list[str]) -> None:
+    args.argv = command
+    if args.peek:
+        if command:
+            throttle.error(f"--peek runs no COMMAND (found {quoted_words(command)})")
+        if args.wait:
+            throttle.error("--peek does not wait: leave out -w")
+        if args.cost is not None:
+            throttle.error("--peek asks at cost 0: leave out --cost")
+    elif not command:
+        throttle.error(
+            "missing COMMAND (elockctl throttle KEY COUNT/PERIOD COMMAND ARGS, or --peek)"
+        )
+    elif args.json:
+        throttle.error("--json goes with --peek")
+    args.cost = 0 if args.peek else (args.cost or 1)
+    check_key(throttle, args.key)
+
+
 def parse(parser: Parser, raw: list[str]) -> argparse.Namespace:
     """Parse and check the command line; any mistake exits 2 with one line.
 
@@ -316,6 +422,8 @@ def parse(parser: Parser, raw: list[str]) -> argparse.Namespace:
         args.argv = [*args.argv, *(arranged.tail or [])]
     elif args.command == "lock":
         check_lock_args(parser.commands["lock"], args, arranged.tail or [])
+    elif args.command == "throttle":
+        check_throttle_args(parser.commands["throttle"], args, arranged.tail or [])
     elif args.command == "info":
         check_key(parser.commands["info"], args.key)
     elif args.command in PROBE_VERBS and any(c in word for word in args.key for c in "\r\n"):

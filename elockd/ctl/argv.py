@@ -5,8 +5,9 @@ argparse alone gets two things wrong for a flock(1) user:
 * ``elockctl lock nightly ./job.sh -s`` must run ``./job.sh -s``: flock stops
   reading options at the command, and a ``-s`` taken for elockctl's own would
   make the lock shared and let two copies of the job run at once. So the first
-  word after ``lock``'s KEY that is not an option starts COMMAND, and everything
-  from there is COMMAND's, options included (``--`` still works, as in flock).
+  word after ``lock``'s KEY (``throttle``'s KEY and COUNT/PERIOD) that is not an
+  option starts COMMAND, and everything from there is COMMAND's, options included
+  (``--`` still works, as in flock).
 * Global options may come before or after the command (``elockctl i x --port
   9999``), and an unknown option is blamed by name with a suggestion (``--prot``:
   did you mean ``--port``?), not the value that follows it.
@@ -23,10 +24,12 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-#: Commands whose words after the options are handed on untouched: ``lock``'s
-#: COMMAND (from its first word after KEY, or after ``--``), ``upgrade``'s elockd
-#: flags (after ``--``).
-TAIL_COMMANDS = ("lock", "upgrade")
+#: Commands whose words after the options are handed on untouched: ``lock``'s and
+#: ``throttle``'s COMMAND (from the first word after their own positionals, or
+#: after ``--``), ``upgrade``'s elockd flags (after ``--``).
+TAIL_COMMANDS = ("lock", "throttle", "upgrade")
+#: How many positionals come before COMMAND: ``lock KEY``, ``throttle KEY RATE``.
+BEFORE_COMMAND = {"lock": 1, "throttle": 2}
 
 
 @dataclass
@@ -84,8 +87,8 @@ class Scanner:
                     self.unknown_command(word)
                 out.command = word
                 own.append(word)
-            elif out.command == "lock" and positionals == 1:
-                out.tail = raw[index:]  # KEY was the first: COMMAND starts here
+            elif positionals == BEFORE_COMMAND.get(out.command):
+                out.tail = raw[index:]  # past KEY (and RATE): COMMAND starts here
                 break
             else:
                 own.append(word)

@@ -1,8 +1,9 @@
 """``elockctl``: probes, stats and ``elockctl lock KEY COMMAND`` from the shell.
 
 One-liners (``g r i sg sr si q``, ``stats``, ``info``, ``dump``) use the blocking
-client: a connection, one request, done. ``lock`` is :mod:`elockd.ctl.lock`, the
-command line :mod:`elockd.ctl.args`, the exit statuses :mod:`elockd.ctl.status`.
+client: a connection, one request, done. ``lock`` is :mod:`elockd.ctl.lock`,
+``throttle`` :mod:`elockd.ctl.throttle`, the command line :mod:`elockd.ctl.args`,
+the exit statuses :mod:`elockd.ctl.status`.
 Whatever goes wrong is said in one line that names the server, never a traceback.
 """
 
@@ -32,6 +33,7 @@ from elockd.ctl.status import (
     say,
     where,
 )
+from elockd.ctl.throttle import run_throttled
 from elockd.ctl.upgrade import run_upgrade
 
 #: Probes that take a hold, which ends as soon as elockctl's connection does.
@@ -48,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "lock":
             return trio.run(run_locked, args, options)
+        if args.command == "throttle":
+            return trio.run(run_throttled, args, options)
         if args.command == "upgrade":
             return run_upgrade(args)
         return run_one_liner(args, options)
