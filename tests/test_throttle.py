@@ -30,8 +30,9 @@ def fields(reply: bytes) -> dict[str, int]:
 
 
 def near(actual: float, expected: float, backend: str, margin: float = 0.15) -> bool:
-    """Exact on the MockClock; within ``margin`` (seconds, or ms scaled) in real time."""
-    return actual == expected if backend == "memory" else abs(actual - expected) <= margin
+    """Exact on the MockClock (to the nanosecond: a turn is set a hair early, inside
+    the rule's float tolerance); within ``margin`` (seconds, or ms) in real time."""
+    return abs(actual - expected) <= (1e-6 if backend == "memory" else margin)
 
 
 async def test_ten_at_once_then_the_eleventh_is_told_when(
@@ -111,7 +112,9 @@ async def test_a_peek_changes_nothing(
         await client.reply(b"throttle p 4 1")
     before = await client.stats()
     peek = fields(await client.reply(b"throttle p 4 1 cost=0"))
-    assert peek["code"] == 200 and peek["remaining"] == 0 and near(peek["reset"], 1000, backend)
+    assert (
+        peek["code"] == 200 and peek["remaining"] == 0 and near(peek["reset"], 1000, backend, 150)
+    )
     after = await client.stats()
     assert after["admitted"] == before["admitted"] and after["throttled"] == before["throttled"]
     assert fields(await client.reply(b"throttle p 4 1"))["code"] == 409

@@ -8,7 +8,7 @@ after every step:
 * **the window bound**: over any window of length W, a key admits at most
   ``B + W·COUNT/PERIOD`` units of cost;
 * **first come, first served**: a key's waiters are admitted in the order they
-  queued, whatever their cost, and none is admitted after its wait ran out;
+  queued, whatever their cost, and none whose turn came after its wait ran out;
 * **as soon as the rate allows**: after time has been advanced, the head of no
   line could be admitted now (a line never stalls), and no waiter is left past
   its deadline;
@@ -65,7 +65,8 @@ class ThrottleModel(RuleBasedStateMachine):
             if waiter.verdict.admitted:
                 line = self.lines[waiter.key]
                 assert line and line[0] is waiter, "admitted out of turn"
-                assert self.now <= waiter.deadline + EPSILON, "admitted after its wait"
+                assert waiter.admit <= waiter.deadline + EPSILON, "its turn came after its wait"
+                assert waiter.admit <= self.now + EPSILON, "admitted before its turn"
                 self.admissions.append((self.now, waiter.key, waiter.rate.cost))
             self.lines[waiter.key].remove(waiter)
 

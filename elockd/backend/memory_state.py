@@ -396,7 +396,7 @@ class MemoryRestore(RecordReader):
                 waiter.verdict = Verdict(*verdict)
             if state == WAITING:
                 throttles.lines.setdefault(waiter.key, OrderedDict())[waiter] = None
-                throttles.by_session.setdefault(session, set()).add(waiter)
+                throttles.by_session.setdefault(session, {})[waiter] = None
                 throttles.waiting += 1
                 left, order = timeout
                 if left is not None:

@@ -61,16 +61,18 @@ class Deadlines(Generic[T]):
     def compact(self) -> None:
         """Drop every stale entry; the next compaction waits until the heap doubles.
 
-        A target carries one deadline, so one entry each is kept: a lease renewed
-        from A to B and back to A has two entries that both read as current, and a
-        flood of such renews must not pile up either."""
+        One entry is kept per target and deadline: a lease renewed from A to B and
+        back to A has two entries at A that both read as current, and a flood of
+        such renews must not pile up either. (A throttle waiter carries two
+        deadlines at once, its turn and its timeout: both are kept.)"""
         is_current = self.is_current
         kept: list[tuple[float, int, T]] = []
-        seen: set[int] = set()
+        seen: set[tuple[int, float]] = set()
         for entry in sorted(self._heap):  # by deadline, then order of adding
             target = entry[2]
-            if id(target) not in seen and is_current(entry[0], target):
-                seen.add(id(target))
+            mark = (id(target), entry[0])
+            if mark not in seen and is_current(entry[0], target):
+                seen.add(mark)
                 kept.append(entry)
         self._heap = kept  # sorted, hence a heap already
         self._compact_at = max(COMPACT_FLOOR, 2 * len(self._heap))

@@ -182,26 +182,32 @@ class Throttles:
     def due(self, waiter: ThrottleWaiter, deadline: float, now: float) -> None:
         """A heap entry of ``waiter`` came up: its turn (it is the head) or its
         timeout."""
-        if deadline == waiter.admit:
+        if deadline == waiter.admit or now >= waiter.deadline:
+            # At a timeout too: a turn due at the same instant may admit it first.
             self._serve(waiter.key, now)
         if waiter.state == WAITING and now >= waiter.deadline:
             self._leave(waiter, now, timed_out=True)
 
     def _serve(self, key: bytes, now: float) -> None:
         """Admit the line's head while the rate allows it, in order; arm the next.
-        A head whose wait ran out before a late timer came round times out: no
-        waiter is admitted after its wait."""
+
+        The rule is applied at ``now``, also when the timer comes round late (a
+        busy loop, a hand-over's pause): admitting as of an earlier instant would
+        let a late batch pass the window bound. A head whose turn came within its
+        wait is admitted, late or not; one whose turn comes after it times out."""
         line = self.lines.get(key)
         while line:
             head = next(iter(line))
-            if head.deadline < now:
+            tat = self.tats.get(key, -math.inf)
+            turn = max(admit_at(tat, head.rate), head.since)
+            if turn > head.deadline + EPSILON and head.deadline < now:
                 self._drop(head, line, now, timed_out=True)
                 continue
-            tat = self.tats.get(key, -math.inf)
             verdict, new = judge(tat, now, head.rate)
             if not verdict.admitted:
                 self._arm(head, now)
                 return
+            head.admit = turn  # when its turn came: within its wait
             del line[head]
             self._set(key, new)
             self.books.admitted += 1
