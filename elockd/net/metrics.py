@@ -9,7 +9,8 @@ Why it looks like this:
   (``len()`` of a table, engine counters, :class:`~elockd.protocol.stats.Buckets`): a scrape
   costs the same with a million locks held as with none. No per-lock work, ever.
 * HTTP is hypercorn's trio worker serving a small ASGI app of our own
-  (:func:`make_app`: the exposition prometheus-client renders, cached; /healthz),
+  (:func:`make_app`: the exposition prometheus-client renders, cached; /healthz;
+  the status page's static files),
   in the same trio run as the lock tables: no thread ever touches them, and no HTTP
   parser is written here. A connection whose first request asks for a WebSocket
   goes to :mod:`elockd.net.websocket` instead (a lock session over wsproto).
@@ -45,6 +46,7 @@ from elockd import __version__
 from elockd.net.http import Tune, serve_http
 from elockd.net.listening import open_tcp_sockets
 from elockd.net.serving import ConnectionSlots, PausableService
+from elockd.net.status_page import status_response
 from elockd.net.websocket import serve_websocket
 from elockd.protocol.connection import Service
 from elockd.protocol.stats import Buckets
@@ -272,7 +274,8 @@ class Exposition:
 
 
 def make_app(exposition: Exposition) -> HttpApp:
-    """``/metrics`` (the cached exposition), ``/healthz``, 404 elsewhere. WebSocket
+    """``/metrics`` (the cached exposition), ``/healthz``, the status page
+    (:mod:`elockd.net.status_page`), 404 elsewhere. WebSocket
     sessions never get here (:mod:`elockd.net.http` hands a connection's first request
     to :mod:`elockd.net.websocket` when it is an upgrade); an upgrade asked later on a
     kept-alive connection is refused (403)."""
@@ -295,8 +298,15 @@ def make_app(exposition: Exposition) -> HttpApp:
         elif scope["path"] == "/healthz":
             # Answering at all proves the trio run (and so the lock server) is alive.
             await respond(send, 200, b"ok\n")
+        elif page := status_response(scope["path"], dict(scope["headers"]).get(b"host")):
+            file, file_type, headers = page
+            if scope["method"] == "HEAD":
+                file = b""
+            await respond(send, 200, file, headers, content_type=file_type)
         else:
-            await respond(send, 404, b"not found: try /metrics, /healthz or a WebSocket on /\n")
+            await respond(
+                send, 404, b"not found: try /metrics, /healthz, /status or a WebSocket on /\n"
+            )
 
     return app
 
