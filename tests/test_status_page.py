@@ -277,8 +277,8 @@ def test_the_table_has_every_column_and_keeps_a_snapshot(
     assert 0 < ttl <= 600
     shared = wait(browser, lambda b: row_of(b, "cols/s"))
     assert (shared["kind"], shared["owner"], shared["token"]) == ("shared", sharer.peer, "-")
-    # The holder leaves: the waiter's grant is an event, its row replaces the first.
-    holder.close()
+    # The holder lets go: the waiter's grant is an event, its row replaces the first.
+    assert holder.ask("unlock cols/x") == "200 Unlocked"
     assert waiter.reply() == "200 Acquired"
     wait(browser, lambda b: (row_of(b, "cols/x") or {}).get("owner") == waiter.peer)
     wait(browser, lambda b: (row_of(b, "cols/x") or {}).get("waiters") == "0")
