@@ -184,8 +184,9 @@
     const age = (row) => (row.granted === null ? Infinity : row.granted);
     list.sort((a, b) => {
       if (sortBy === "age") {
-        const diff = age(a) - age(b); // smaller grant time: older
-        if (diff) return (diff > 0 ? 1 : -1) * sortDir;
+        // An earlier grant is an older hold; sortDir -1 ("descending" age): the oldest first.
+        const diff = age(a) - age(b);
+        if (diff) return (diff > 0 ? 1 : -1) * -sortDir;
       }
       if (a.key !== b.key) return (a.key < b.key ? -1 : 1) * (sortBy === "key" ? sortDir : 1);
       if (a.kind !== b.kind) return a.kind < b.kind ? -1 : 1;
