@@ -473,3 +473,30 @@ def test_hold_and_wait_hooks_are_wired_only_for_a_metrics_registry() -> None:
     make_registry(service)
     assert service.backend.on_hold_end == service.timings.hold_ended
     assert service.backend.on_wait_end == service.timings.wait_ended
+
+
+def test_dashboard_shows_p50_and_p99_of_lock_wait_and_hold_by_kind() -> None:
+    """The wait and hold histograms (``elockd_wait_seconds``, ``elockd_hold_seconds``)
+    each have a panel with their p50 and p99, one line per ``kind``."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    quantiles: dict[str, set[str]] = {}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            found = re.fullmatch(
+                r"histogram_quantile\((0\.5|0\.99), sum by \(kind, le\) "
+                r"\(rate\(elockd_(wait|hold)_seconds_bucket\{[^}]*\}\[\$__rate_interval\]\)\)\)",
+                target["expr"],
+            )
+            if found:
+                assert "{{kind}}" in target["legendFormat"], target
+                quantiles.setdefault(found.group(2), set()).add(found.group(1))
+    assert quantiles == {"wait": {"0.5", "0.99"}, "hold": {"0.5", "0.99"}}
+
+
+def test_the_lock_wait_alert_is_p99_above_10s_for_10_minutes() -> None:
+    """The example alert the docs promise (its firing is unit-tested by promtool in
+    test_alert_rules_config_and_rule_unit_tests)."""
+    text = (PROMETHEUS_DIR / "elockd-alerts.yml").read_text()
+    rule = text.split("- alert: ElockdLockWaitP99High", 1)[1].split("- alert:", 1)[0]
+    assert "histogram_quantile(0.99," in rule and "elockd_wait_seconds_bucket" in rule
+    assert re.search(r"\)\s*> 10\n", rule) and "for: 10m" in rule

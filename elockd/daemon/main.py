@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=port_number,
         default=defaults.metrics_port,
-        help="HTTP port of /metrics and /healthz (0: off)",
+        help="HTTP port of /metrics, /healthz, the /status page and WebSocket sessions (0: off)",
     )
     add(
         "--metrics-max-connections",
