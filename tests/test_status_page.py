@@ -189,11 +189,12 @@ def row_of(browser: WebDriver, key: str) -> dict[str, str] | None:
     return found[0] if found else None
 
 
-def csp_complaints(browser: WebDriver) -> list[str]:
+def page_errors(browser: WebDriver) -> list[str]:
+    """What the browser logged since the last call about the policy blocking
+    something, or a script error."""
+    words = ("Content Security Policy", "Refused to", "Uncaught")
     return [
-        entry["message"]
-        for entry in browser.get_log("browser")
-        if "Content Security Policy" in entry["message"] or "Refused to" in entry["message"]
+        e["message"] for e in browser.get_log("browser") if any(w in e["message"] for w in words)
     ]
 
 
@@ -255,7 +256,7 @@ def test_a_lock_taken_over_tcp_appears_within_a_second_and_vanishes_on_release(
     released = time.monotonic()
     wait(browser, lambda b: row_of(b, "fast/one") is None, timeout=1.0)
     assert time.monotonic() - released < 1.0
-    assert csp_complaints(browser) == []
+    assert page_errors(browser) == []
 
 
 def test_the_table_has_every_column_and_keeps_a_snapshot(
@@ -283,6 +284,7 @@ def test_the_table_has_every_column_and_keeps_a_snapshot(
     wait(browser, lambda b: (row_of(b, "cols/x") or {}).get("owner") == waiter.peer)
     wait(browser, lambda b: (row_of(b, "cols/x") or {}).get("waiters") == "0")
     assert browser.find_element(By.ID, "c-events").text != "0"
+    assert page_errors(browser) == []
 
 
 def test_the_age_counts_up_and_sorts(
@@ -311,6 +313,7 @@ def test_the_age_counts_up_and_sorts(
     header.click()
     assert keys() == ["age/new", "age/old"]
     assert header.get_attribute("aria-sort") == "ascending"
+    assert page_errors(browser) == []
 
 
 def test_the_prefix_filter(
@@ -351,7 +354,7 @@ def test_keys_and_owners_are_shown_as_text_never_markup(
     assert row["owner"] == "<img src=x onerror=document.title='owned'>"
     assert browser.find_elements(By.CSS_SELECTOR, "#rows b, #rows img") == []
     assert browser.title == "elockd status"
-    assert csp_complaints(browser) == []
+    assert page_errors(browser) == []
 
 
 def test_with_auth_the_page_shows_nothing_until_the_token_is_given(

@@ -19,6 +19,7 @@
   const MAX_ROWS = 2000; // rows drawn at most; the rest are counted under the table
   const LS_LIMIT = 100000; // lines asked of `ls` at most
   const RENDER_DELAY = 50; // ms: events that come together are drawn together
+  const INFO_SPACING = 50; // ms between two `info` requests
   const Q_INTERVAL = 5000; // ms: the server's counters, read at most this often
   const FILTER_DELAY = 400; // ms of no typing before the watch moves to a new prefix
   const RETRY_FIRST = 1000;
@@ -33,7 +34,7 @@
   let query = null; // the query session (class Query)
   let subscribed = null; // the prefix the watch was opened with
   let filter = ""; // the prefix typed: applied to the rows at once
-  let rows = new Map(); // id -> row
+  let rows = null; // the holds shown (class Holds), set in init
   let nextId = 1;
   const keys = new Map(); // key -> {waiting, ttlDeadline, token}
   const dirty = new Set(); // keys whose `info` is to be read again
@@ -141,6 +142,36 @@
   }
 
   // ---- the table -----------------------------------------------------------------
+  /** The holds, by id and by key: an event or an `ls` line costs O(holds of its key). */
+  class Holds {
+    constructor() {
+      this.byId = new Map();
+      this.byKey = new Map();
+    }
+
+    add(row) {
+      this.byId.set(row.id, row);
+      let set = this.byKey.get(row.key);
+      if (!set) this.byKey.set(row.key, (set = new Set()));
+      set.add(row);
+    }
+
+    remove(row) {
+      this.byId.delete(row.id);
+      const set = this.byKey.get(row.key);
+      set.delete(row);
+      if (set.size === 0) this.byKey.delete(row.key);
+    }
+
+    of(key) {
+      return this.byKey.get(key) || new Set();
+    }
+
+    values() {
+      return this.byId.values();
+    }
+  }
+
   function keyState(key) {
     let state = keys.get(key);
     if (!state) {
@@ -161,21 +192,21 @@
       approximate: false, // the key's oldest hold's age (a shared hold seen in the snapshot)
       tr: null,
     };
-    table.set(row.id, row);
+    table.add(row);
     return row;
   }
 
   function removeRow(event) {
     let found = null;
-    for (const row of rows.values()) {
-      if (row.key !== event.key || row.kind !== event.kind) continue;
+    for (const row of rows.of(event.key)) {
+      if (row.kind !== event.kind) continue;
       if (event.kind === "exclusive" || row.owner === event.owner) {
         // Two sessions may share a name (iam): the oldest hold of that name goes.
         if (found === null || (row.granted ?? -Infinity) < (found.granted ?? -Infinity)) found = row;
         if (event.kind === "exclusive") break;
       }
     }
-    if (found !== null) rows.delete(found.id);
+    if (found !== null) rows.remove(found);
   }
 
   function shownRows() {
@@ -309,7 +340,7 @@
         state.ttlAsked = false;
         const oldest = seconds(age);
         if (oldest === null) continue;
-        const unknown = [...rows.values()].filter((row) => row.key === key && row.granted === null);
+        const unknown = [...rows.of(key)].filter((row) => row.granted === null);
         for (const row of unknown) {
           row.granted = t - oldest * 1000;
           row.approximate = row.kind === "shared" && unknown.length > 1;
@@ -326,14 +357,22 @@
     pumpInfo(generation);
   }
 
+  function held(key) {
+    return rows.byKey.has(key);
+  }
+
   function pumpInfo(gen) {
-    if (infoBusy || dirty.size === 0 || query === null) return;
-    const key = dirty.values().next().value;
-    dirty.delete(key);
+    if (infoBusy || query === null) return;
+    let key;
+    do {
+      if (dirty.size === 0) return;
+      key = dirty.values().next().value;
+      dirty.delete(key);
+      if (!held(key)) keys.delete(key); // no row shows its waiters: nothing to ask
+    } while (!held(key));
     infoBusy = true;
     query.request("info " + key).then(
       (reply) => {
-        infoBusy = false;
         if (gen !== generation) return;
         const m = INFO_LINE.exec(lines(reply)[0] || "");
         if (m) {
@@ -343,13 +382,17 @@
           state.ttlDeadline = left === null ? null : now() + left * 1000;
           state.ttlAsked = false;
           state.token = m[3] === "-" ? null : m[3];
-          if (state.waiting === 0 && ![...rows.values()].some((row) => row.key === key)) keys.delete(key);
           scheduleRender();
         }
-        pumpInfo(gen);
+        // Spaced out: a page on a busy server asks at most 1000/INFO_SPACING a second.
+        setTimeout(() => {
+          if (gen !== generation) return;
+          infoBusy = false;
+          pumpInfo(gen);
+        }, INFO_SPACING);
       },
       () => {
-        infoBusy = false;
+        if (gen === generation) infoBusy = false;
       },
     );
   }
@@ -390,7 +433,7 @@
   }
 
   function forget() {
-    rows = new Map();
+    rows = new Holds();
     keys.clear();
     events = 0;
     painted = [];
@@ -441,7 +484,7 @@
         } else if (phase === "reply") {
           if (line === "200 Watching") {
             phase = "snapshot";
-            pending = new Map();
+            pending = new Holds();
           } else if (line.startsWith("403")) {
             return askToken("");
           } else if (line.startsWith("413") || line.startsWith("0 Too Many")) {
@@ -531,6 +574,7 @@
   }
 
   function init() {
+    rows = new Holds();
     const initial = new URL(location.href).searchParams.get("prefix") || "";
     if (!/\s/.test(initial)) filter = initial;
     $("prefix").value = filter;
