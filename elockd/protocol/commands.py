@@ -73,9 +73,8 @@ TABLE: tuple[Command, ...] = (
     Command(
         b"throttle",
         WORD,
-        word.cmd_throttle,
-        arguments=3,
-        options=word.THROTTLE_OPTIONS,
+        word.cmd_throttle_line,
+        raw=True,  # its common shape is parsed in one split; see cmd_throttle_line
         wait_reply=word.throttle_line,
     ),
     Command(b"ping", WORD, word.cmd_ping),
