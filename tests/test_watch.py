@@ -4,15 +4,24 @@ and a stream over TCP that carries exactly what the engine did, in order."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+import socket
+import ssl
+import time
 
 import pytest
 import trio
+import trustme
+from trio_websocket import open_websocket_url
 
+from elockd.daemon.server import make_service, serve
 from elockd.engine.locks import LockEngine
 from elockd.engine.watchers import KILLED, TooManyWatchers, Watchers
 from elockd.protocol.config import Config
+from tests.support.hostile_tools import rss_bytes
 from tests.support.line_client import LineClient, RunningServer
+from tests.support.server_process import start_server, stop_server
+from tests.test_access import tls_client
+from tests.test_websocket import start as ws_start
 
 # ------------------------------------------------------------------ the registry
 
@@ -261,5 +270,105 @@ async def test_random_traffic_from_20_clients_is_streamed_in_order(
     }
 
 
-def overflow_config() -> Config:
-    return replace(Config(), watch_buffer=4096, send_timeout=5.0)
+# ------------------------------------------------------------------ other doors
+
+
+async def test_watch_over_websocket_sends_messages_of_whole_lines(
+    nursery: trio.Nursery,
+) -> None:
+    """The reply, the snapshot and SYNCED come as one message; then each message is
+    one or more whole event lines; a ping is answered while it streams; any
+    message ends the stream."""
+    server = await ws_start(nursery)
+    tcp = await server.tcp()
+    assert await tcp.reply(b"lock ws/a") == b"200 Acquired\r\n"
+    async with open_websocket_url(server.url) as ws:
+        await ws.send_message("watch ws/")
+        first = await ws.get_message()
+        assert isinstance(first, str)
+        lines = first.split("\r\n")
+        assert lines[0] == "200 Watching" and lines[-2:] == ["SYNCED", ""]
+        assert lines[1].startswith("+ ws/a exclusive 127.0.0.1:")
+        assert await tcp.reply(b"unlock ws/a") == b"200 Unlocked\r\n"
+        assert await tcp.reply(b"lock_shared ws/b") == b"200 1\r\n"
+        got = ""
+        while got.count("\r\n") < 2:
+            message = await ws.get_message()
+            assert isinstance(message, str) and message.endswith("\r\n")
+            got += message
+        first_event, second_event = got.splitlines()
+        assert first_event.startswith("- ws/a exclusive 127.0.0.1:")
+        assert first_event.endswith(" released")
+        assert second_event.startswith("+ ws/b shared 127.0.0.1:")
+        assert second_event.endswith(" holders=1")
+        await ws.ping(b"still there?")  # answered beside the stream
+        await ws.send_message("ping")
+        assert await ws.get_message() == "200 Bye\r\n"
+
+
+async def test_watch_over_tls(
+    nursery: trio.Nursery, ca: trustme.CA, tls_files: dict[str, str]
+) -> None:
+    config = Config(port=0, metrics_port=0, tls_cert=tls_files["cert"], tls_key=tls_files["key"])
+    addresses = await nursery.start(serve, config, make_service(config))
+    port = int(addresses[0][1])
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    watcher, holder = [await tls_client(port, context) for _ in range(2)]
+    await watcher.send(b"watch t/\n")
+    assert await read_snapshot(watcher) == []
+    assert await holder.reply(b"lock_shared t/x") == b"200 1\r\n"
+    assert await holder.reply(b"unlock_shared t/x") == b"200 0\r\n"
+    peer = holder.stream.transport_stream.socket.getsockname()  # type: ignore[attr-defined]
+    owner = b"%s:%d" % (peer[0].encode(), peer[1])
+    assert await watcher.line() == b"+ t/x shared %s holders=1\r\n" % owner
+    assert await watcher.line() == b"- t/x shared %s holders=0 released\r\n" % owner
+    assert await watcher.reply(b"quit") == b"200 Bye\r\n"
+    await watcher.aclose()
+    await holder.aclose()
+
+
+# ------------------------------------------------------------ a watcher that never reads
+
+
+@pytest.mark.serial
+async def test_a_watcher_that_never_reads_gets_overflow_with_rss_bounded() -> None:
+    """A watcher that reads nothing while 40 MB of events are made: the server's RSS
+    grows by far less than that; once it reads, it finds events, then OVERFLOW,
+    then the end of the connection."""
+    process, port = start_server("--send-timeout", "60")
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as watcher:
+            watcher.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            watcher.sendall(b"watch\n")
+            time.sleep(0.2)
+            with socket.create_connection(("127.0.0.1", port)) as worker:
+                name = b"x" * 200  # each event line about 250 bytes
+                worker.sendall(b"iam %s\n" % name)
+                read_replies(worker, 1)
+                before = rss_bytes(process.pid)
+                peak = before
+                for _ in range(80):  # 80 x 1000 grants and frees: about 40 MB of events
+                    worker.sendall(b"g k\nr k\n" * 500)
+                    read_replies(worker, 1000)
+                    peak = max(peak, rss_bytes(process.pid))
+            grown = peak - before
+            print(f"RSS grew {grown / 1e6:.1f} MB while 40 MB of events were made")
+            assert grown < 12e6, grown
+            received = bytearray()
+            watcher.settimeout(10)
+            while chunk := watcher.recv(1 << 20):
+                received += chunk
+            assert received.startswith(b"200 Watching\r\nSYNCED\r\n+ k exclusive ")
+            assert received.endswith(b"\r\nOVERFLOW\r\n")
+            assert 1 << 20 < len(received) < 8 << 20
+    finally:
+        stop_server(process)
+
+
+def read_replies(sock: socket.socket, count: int) -> None:
+    buffer = b""
+    while buffer.count(b"\r\n") < count:
+        chunk = sock.recv(65536)
+        assert chunk
+        buffer += chunk
