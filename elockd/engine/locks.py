@@ -62,7 +62,7 @@ from elockd.engine.bookkeeping import (
 )
 from elockd.engine.sessions import CANCELLED, GRANTED, WAITING, Hold, Session, Waiter
 from elockd.engine.throttles import Throttles, ThrottleWaiter
-from elockd.engine.watchers import EXPIRED, ORPHANED, RELEASED
+from elockd.engine.watchers import EXPIRED, ORPHANED, RELEASED, free_line, grant_line
 
 # Re-exported: the engine's callers (and its tests) name them through this module.
 __all__ = [
@@ -345,8 +345,9 @@ class LockEngine(Bookkeeping):
         session.exclusive[key] = hold
         if ttl is not None:
             self.set_lease(hold, now + ttl)
-        if self.watchers.active:
-            self.watchers.grant(key, session.owner, False, hold.token)
+        if self.watchers.active and (watching := self.watchers.matching(key)):
+            line = grant_line(key, session.owner, False, hold.token)
+            self.watchers.send(watching, key, line)
         return hold
 
     # --------------------------------------------------------------- multi-key
@@ -447,8 +448,8 @@ class LockEngine(Bookkeeping):
         session.shared[key] = hold
         if ttl is not None:
             self.set_lease(hold, now + ttl)
-        if self.watchers.active:
-            self.watchers.grant(key, session.owner, True, count)
+        if self.watchers.active and (watching := self.watchers.matching(key)):
+            self.watchers.send(watching, key, grant_line(key, session.owner, True, count))
         return count
 
     def wait_shared(
@@ -537,15 +538,16 @@ class LockEngine(Bookkeeping):
             self._unshare(hold)
             self.shared_holders -= 1
             del session.shared[key]
-            if self.watchers.active:
-                self.watchers.free(key, session.owner, True, self.shared_count(key), why)
+            if self.watchers.active and (watching := self.watchers.matching(key)):
+                line = free_line(key, session.owner, True, self.shared_count(key), why)
+                self.watchers.send(watching, key, line)
             if key in self._squeues:
                 self._serve_shared(key, now)
         else:
             del self.exclusive[key]
             del session.exclusive[key]
-            if self.watchers.active:
-                self.watchers.free(key, session.owner, False, 0, why)
+            if self.watchers.active and (watching := self.watchers.matching(key)):
+                self.watchers.send(watching, key, free_line(key, session.owner, False, 0, why))
             if session.waiters:
                 self._requeue_lost_key(session, key)
             if key in self._xqueues:

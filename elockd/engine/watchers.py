@@ -74,11 +74,6 @@ class Watcher:
         #: Called when the first event of a batch arrives, or on overflow.
         self.wake: Callable[[], None] | None = None
 
-    def take(self) -> list[bytes]:
-        """The events to send now (still counted in :attr:`unsent` until sent)."""
-        lines, self.lines = self.lines, []
-        return lines
-
     def sent(self, size: int) -> None:
         """``size`` bytes of taken events went out."""
         self.unsent -= size
@@ -110,7 +105,7 @@ class TooManyWatchers(Exception):
 class Watchers:
     """The registry: every watcher, kept by prefix; see the module docstring."""
 
-    __slots__ = ("_by_prefix", "_lengths", "active", "count")
+    __slots__ = ("_by_prefix", "_head", "_heads", "_lengths", "active", "count")
 
     def __init__(self) -> None:
         #: The lock path's one test: False while nobody watches.
@@ -118,6 +113,11 @@ class Watchers:
         self.count = 0
         self._by_prefix: dict[bytes, list[Watcher]] = {}
         self._lengths: tuple[int, ...] = ()
+        # The quick reject: every prefix's first _head bytes (the shortest prefix's
+        # length). A key whose head is none of them matches no watcher: one slice
+        # and one set lookup, however many watchers and prefix lengths there are.
+        self._head = 0
+        self._heads: frozenset[bytes] = frozenset({b""})
 
     def add(self, prefix: bytes, limit: int, most: int) -> Watcher:
         """Register a watcher of ``prefix`` (at most ``most`` at once, else
@@ -151,9 +151,15 @@ class Watchers:
 
     def _reindex(self) -> None:
         self._lengths = tuple(sorted({len(prefix) for prefix in self._by_prefix}))
+        self._head = self._lengths[0] if self._lengths else 0
+        self._heads = frozenset(prefix[: self._head] for prefix in self._by_prefix)
         self.active = bool(self._by_prefix)
 
-    def _matching(self, key: bytes) -> list[Watcher] | None:
+    def matching(self, key: bytes) -> list[Watcher] | None:
+        """The watchers of ``key`` (None: nobody), for :meth:`send`. The engine asks
+        this first, so that a key nobody watches costs no line and no owner."""
+        if key[: self._head] not in self._heads:
+            return None
         by_prefix, found = self._by_prefix, None
         size = len(key)
         for length in self._lengths:
@@ -164,7 +170,8 @@ class Watchers:
                 found = group if found is None else [*found, *group]
         return found
 
-    def _send(self, watchers: list[Watcher], key: bytes, line: bytes) -> None:
+    def send(self, watchers: list[Watcher], key: bytes, line: bytes) -> None:
+        """Queue one event line on ``key`` to ``watchers`` (from :meth:`matching`)."""
         overflowed = [w for w in watchers if not w.push(key, line)]
         for watcher in overflowed:
             self.remove(watcher)
@@ -172,15 +179,15 @@ class Watchers:
     def grant(self, key: bytes, owner: bytes, shared: bool, number: int) -> None:
         """A hold was granted: ``number`` is its fencing token (exclusive) or the
         holders after it (shared)."""
-        watchers = self._matching(key)
+        watchers = self.matching(key)
         if watchers is not None:
-            self._send(watchers, key, grant_line(key, owner, shared, number))
+            self.send(watchers, key, grant_line(key, owner, shared, number))
 
     def free(self, key: bytes, owner: bytes, shared: bool, holders: int, why: bytes) -> None:
         """A hold was freed, for ``why``; ``holders``: shared holders left."""
-        watchers = self._matching(key)
+        watchers = self.matching(key)
         if watchers is not None:
-            self._send(watchers, key, free_line(key, owner, shared, holders, why))
+            self.send(watchers, key, free_line(key, owner, shared, holders, why))
 
 
 def snapshot(
