@@ -52,6 +52,15 @@ def test_registry_matches_by_prefix_and_formats_each_event_once() -> None:
     assert not watchers.active and watchers.count == 0
 
 
+def test_prefixes_of_several_lengths_match_exactly() -> None:
+    watchers = Watchers()
+    short, long = watchers.add(b"a", 1 << 20, 10), watchers.add(b"bcd", 1 << 20, 10)
+    for key in (b"a", b"ab", b"b", b"bc", b"bcx", b"bcd", b"bcde", b"xa", b""):
+        watchers.grant(key, b"o", False, 1)
+    assert [line.split()[1] for line in short.lines] == [b"a", b"ab"]
+    assert [line.split()[1] for line in long.lines] == [b"bcd", b"bcde"]
+
+
 def test_registry_is_bounded_by_max_watchers() -> None:
     watchers = Watchers()
     for _ in range(3):
