@@ -79,6 +79,8 @@ TABLE: tuple[Command, ...] = (
     ),
     Command(b"ping", WORD, word.cmd_ping),
     Command(b"auth", WORD, word.cmd_auth, needs_auth=False, raw=True, secret=True),
+    # Operators (issue 28): watch.
+    Command(b"watch", WORD, word.cmd_watch, arguments=1),
 )
 
 #: The table by verb, as the dispatcher reads it.

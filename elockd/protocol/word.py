@@ -9,13 +9,16 @@ one question, and formats the answer, now or once it comes
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from elockd.backend.interface import Grant, KeyInfo
 from elockd.engine.gcra import Rate, Verdict, milliseconds
 from elockd.engine.sessions import Session
+from elockd.engine.watchers import TooManyWatchers, snapshot
 from elockd.protocol.arguments import Args, BadRequest, parse_number, parse_seconds, parse_whole
-from elockd.protocol.connection import WORD, Delayed, Reply, answer
+from elockd.protocol.connection import WORD, Delayed, Reply, Streamed, answer
+from elockd.protocol.replies import chunked
 from elockd.protocol.stats import render_stats
 
 if TYPE_CHECKING:
@@ -239,3 +242,36 @@ def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
     conn.service.reports.auth_failure(conn.peer)
     conn.closing = True
     return Delayed(b"403 Bad Token\r\n", conn.service.config.auth_failure_delay)
+
+
+# ------------------------------------------------------------------ watch (issue 28)
+
+WATCHING = b"200 Watching\r\n"
+TOO_MANY_WATCHERS = b"413 Too Many Watchers\r\n"
+
+
+def cmd_watch(conn: Connection, args: Args, now: float) -> Reply:
+    """``watch [PREFIX]``: ``200 Watching``, a ``+`` line per hold under PREFIX,
+    ``SYNCED``; from then on the connection is an event stream
+    (:mod:`elockd.net.watching` sends it). The watcher is registered and the
+    snapshot's keys listed in this one step, so no event falls between them
+    (:func:`elockd.engine.watchers.snapshot`)."""
+    prefix = args.positional[0] if args.positional else b""
+    config, backend = conn.service.config, conn.backend
+    try:
+        keys = backend.watch_keys(prefix)
+    except NotImplementedError:
+        return WORD.unavailable
+    try:
+        watcher = backend.books.watchers.add(prefix, config.watch_buffer, config.max_watchers)
+    except TooManyWatchers:
+        conn.service.reports.refusal("--max-watchers", conn.peer)
+        return TOO_MANY_WATCHERS
+    conn.watcher = watcher
+    lines = snapshot(watcher, keys, backend.watch_lines)
+    return Streamed(chunked(_after(WATCHING, lines), b""))
+
+
+def _after(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    yield from rest
