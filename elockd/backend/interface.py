@@ -188,6 +188,18 @@ class Backend(ABC):
     @abstractmethod
     def info(self, key: bytes, now: float) -> Result[KeyInfo]: ...
 
+    # ``watch`` (elockd.engine.watchers): the backend reports every grant and free
+    # to ``books.watchers``; a new watcher first gets a snapshot, from here.
+    def watch_keys(self, prefix: bytes) -> list[bytes]:
+        """The keys held now (either way) that start with ``prefix``: what a new
+        watcher's snapshot will show, listed in the step that registers it."""
+        raise NotImplementedError(f"{self.kind} backend: watch")
+
+    def watch_lines(self, key: bytes) -> list[bytes]:
+        """The ``+`` lines of every hold on ``key`` now, as a snapshot shows them
+        (the exclusive holder, then shared holders with ``holders=1..N``)."""
+        raise NotImplementedError(f"{self.kind} backend: watch")
+
     @abstractmethod
     def throttle(
         self, session: Session, key: bytes, now: float, rate: Rate, *, wait: float

@@ -32,6 +32,7 @@ from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.locks import LockEngine
 from elockd.engine.sessions import Hold, Session, Waiter
 from elockd.engine.throttles import ThrottleWaiter
+from elockd.engine.watchers import grant_line
 
 
 class Wait(Later[Grant]):
@@ -146,6 +147,23 @@ class MemoryBackend(LockEngine, Backend):
             if hold.lease_deadline is not None:
                 found.ttl = max(0.0, hold.lease_deadline - now)
         return found
+
+    def watch_keys(self, prefix: bytes) -> list[bytes]:
+        """O(all keys): a scan of both tables (an ordered table would make it
+        O(matching keys))."""
+        keys = dict.fromkeys(k for k in self.exclusive if k.startswith(prefix))
+        keys.update(dict.fromkeys(k for k in self.shared if k.startswith(prefix)))
+        return sorted(keys)
+
+    def watch_lines(self, key: bytes) -> list[bytes]:
+        lines = [
+            grant_line(key, h.session.owner, False, h.token) for h in self.exclusive_holds(key)
+        ]
+        lines.extend(
+            grant_line(key, h.session.owner, True, count)
+            for count, h in enumerate(self.shared_holds(key), 1)
+        )
+        return lines
 
     # -------------------------------------------- hand-over (docs/upgrade.md)
     # Once the connections are parked and the timer stopped, nothing else changes

@@ -62,6 +62,7 @@ from elockd.engine.bookkeeping import (
 )
 from elockd.engine.sessions import CANCELLED, GRANTED, WAITING, Hold, Session, Waiter
 from elockd.engine.throttles import Throttles, ThrottleWaiter
+from elockd.engine.watchers import EXPIRED, ORPHANED, RELEASED, free_line, grant_line
 
 # Re-exported: the engine's callers (and its tests) name them through this module.
 __all__ = [
@@ -188,7 +189,7 @@ class LockEngine(Bookkeeping):
         self.orphans += exclusive
         self.shared_orphans += shared
         for hold in [*session.exclusive.values(), *session.shared.values()]:
-            self._free(hold, now)
+            self._free(hold, now, ORPHANED)
         self._forget_if_done(session)
         if self.on_session_end is not None:
             self.on_session_end(session, exclusive, shared, ENDED_SESSION_LIMIT)
@@ -225,7 +226,7 @@ class LockEngine(Bookkeeping):
             self.orphans += len(exclusive)
             self.shared_orphans += len(shared)
             for hold in [*exclusive, *shared]:
-                self._free(hold, now)
+                self._free(hold, now, ORPHANED)
             freed = len(exclusive), len(shared)
         else:
             freed = len(session.exclusive), len(session.shared)
@@ -251,14 +252,19 @@ class LockEngine(Bookkeeping):
         xqueues, squeues = self._xqueues, self._squeues
         self.orphans += len(session.exclusive)
         self.shared_orphans += len(session.shared)
+        watchers = self.watchers if self.watchers.active else None
         for key in session.exclusive:
             del exclusive[key]
+            if watchers is not None:
+                watchers.free(key, session.owner, False, 0, ORPHANED)
         shared = self.shared
         for key, hold in session.shared.items():
             if shared[key] is hold:  # the key's only holder: _unshare's common case
                 del shared[key]
             else:
                 self._unshare(hold)
+            if watchers is not None:
+                watchers.free(key, session.owner, True, self.shared_count(key), ORPHANED)
         self.shared_holders -= len(session.shared)
         freed_exclusive, freed_shared = session.exclusive, session.shared
         for is_shared, freed in ((False, freed_exclusive), (True, freed_shared)):
@@ -339,6 +345,9 @@ class LockEngine(Bookkeeping):
         session.exclusive[key] = hold
         if ttl is not None:
             self.set_lease(hold, now + ttl)
+        if self.watchers.active and (watching := self.watchers.matching(key)):
+            line = grant_line(key, session.owner, False, hold.token)
+            self.watchers.send(watching, key, line)
         return hold
 
     # --------------------------------------------------------------- multi-key
@@ -439,6 +448,8 @@ class LockEngine(Bookkeeping):
         session.shared[key] = hold
         if ttl is not None:
             self.set_lease(hold, now + ttl)
+        if self.watchers.active and (watching := self.watchers.matching(key)):
+            self.watchers.send(watching, key, grant_line(key, session.owner, True, count))
         return count
 
     def wait_shared(
@@ -508,8 +519,10 @@ class LockEngine(Bookkeeping):
         self.set_lease(hold, now + ttl)
         return True
 
-    def _free(self, hold: Hold, now: float) -> None:
+    def _free(self, hold: Hold, now: float, why: bytes = RELEASED) -> None:
         """Remove a hold from every table, then hand the key to its next waiter(s).
+        ``why`` it went is what watchers hear (released, expired, orphaned, killed):
+        its free comes before the grants it makes.
 
         Every release runs this, so :meth:`hold_ended` (and its ``end_lease``) is
         written out here rather than called: two calls less per release. A change to
@@ -525,11 +538,16 @@ class LockEngine(Bookkeeping):
             self._unshare(hold)
             self.shared_holders -= 1
             del session.shared[key]
+            if self.watchers.active and (watching := self.watchers.matching(key)):
+                line = free_line(key, session.owner, True, self.shared_count(key), why)
+                self.watchers.send(watching, key, line)
             if key in self._squeues:
                 self._serve_shared(key, now)
         else:
             del self.exclusive[key]
             del session.exclusive[key]
+            if self.watchers.active and (watching := self.watchers.matching(key)):
+                self.watchers.send(watching, key, free_line(key, session.owner, False, 0, why))
             if session.waiters:
                 self._requeue_lost_key(session, key)
             if key in self._xqueues:
@@ -667,7 +685,7 @@ class LockEngine(Bookkeeping):
         for deadline, target in self._deadlines.due(now):
             if isinstance(target, Hold):
                 self.expired += 1
-                self._free(target, now)
+                self._free(target, now, EXPIRED)
                 self._forget_if_done(target.session)
             elif isinstance(target, Waiter):
                 self._time_out(target, now)

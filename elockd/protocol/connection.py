@@ -43,6 +43,7 @@ from elockd.backend.interface import (
     TooManyThrottles,
 )
 from elockd.engine.sessions import Session
+from elockd.engine.watchers import Watcher
 from elockd.protocol.arguments import Args, BadRequest
 from elockd.protocol.config import Config
 from elockd.protocol.replies import STYLES, TerseReplies
@@ -325,6 +326,7 @@ class Connection:
         "replies",
         "service",
         "session",
+        "watcher",
     )
 
     def __init__(
@@ -348,6 +350,8 @@ class Connection:
             session.grace = service.config.grace
         self.session = session
         self.closing = False  # set by `quit` and a failed `auth`: close after this reply
+        # Set by `watch`: the connection is an event stream from its reply on.
+        self.watcher: Watcher | None = None
         # Set by the server: ends this connection (the backend lost its session).
         self.abort: Callable[[], None] | None = None
         self.command_counts = service.counters.commands
@@ -416,6 +420,9 @@ class Connection:
 
     def close(self, now: float) -> None:
         """The connection is gone: its session follows its grace rule."""
+        if self.watcher is not None:
+            self.backend.books.watchers.remove(self.watcher)
+            self.watcher = None
         if self in self.service.connections:
             self.service.connections.discard(self)
             self.service.named.pop(self, None)

@@ -9,13 +9,16 @@ one question, and formats the answer, now or once it comes
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from elockd.backend.interface import Grant, KeyInfo
 from elockd.engine.gcra import Rate, Verdict, milliseconds
 from elockd.engine.sessions import Session
+from elockd.engine.watchers import TooManyWatchers, snapshot
 from elockd.protocol.arguments import Args, BadRequest, parse_number, parse_seconds, parse_whole
-from elockd.protocol.connection import WORD, Delayed, Reply, answer
+from elockd.protocol.connection import WORD, Delayed, Reply, Streamed, answer
+from elockd.protocol.replies import chunked
 from elockd.protocol.stats import render_stats
 
 if TYPE_CHECKING:
@@ -166,6 +169,27 @@ def cmd_info(conn: Connection, args: Args, now: float) -> Reply:
     return answer(conn.backend.info(key, now), line, WORD, conn.peer)
 
 
+def cmd_throttle_line(conn: Connection, rest: bytes, now: float) -> Reply:
+    """The table's handler for ``throttle`` (it takes the rest of the line): the
+    common shape, ``K COUNT PERIOD`` in whole numbers, is parsed with one split,
+    since a fleet of rate-limited workers asks it as often as ``g``; every other
+    shape goes through the declared arguments (:func:`cmd_throttle`), whose 400
+    reasons it shares."""
+    parts = rest.split(b" ")
+    if len(parts) == 3:
+        key, count, period = parts
+        if key and count.isdigit() and period.isdigit() and len(count) + len(period) < 16:
+            calls, seconds = int(count), int(period)
+            if calls and 0 < seconds <= conn.service.config.max_ttl:
+                rate = Rate(calls, float(seconds), calls, 1)
+                result = conn.backend.throttle(conn.session, key, now, rate, wait=0.0)
+                if result.__class__ is Verdict:
+                    return throttle_line(result)
+                return answer(result, throttle_line, WORD, conn.peer)
+    args = Args(rest, THROTTLE_OPTIONS, 3, conn.service.config.max_ttl)
+    return cmd_throttle(conn, args, now)
+
+
 def cmd_throttle(conn: Connection, args: Args, now: float) -> Reply:
     """``throttle K COUNT PERIOD [burst=B] [cost=N] [wait=S]``: admitted or not by
     the GCRA (docs/rate-limits.md); COUNT, PERIOD, B and N are this request's own."""
@@ -218,3 +242,36 @@ def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
     conn.service.reports.auth_failure(conn.peer)
     conn.closing = True
     return Delayed(b"403 Bad Token\r\n", conn.service.config.auth_failure_delay)
+
+
+# ------------------------------------------------------------------ watch (issue 28)
+
+WATCHING = b"200 Watching\r\n"
+TOO_MANY_WATCHERS = b"413 Too Many Watchers\r\n"
+
+
+def cmd_watch(conn: Connection, args: Args, now: float) -> Reply:
+    """``watch [PREFIX]``: ``200 Watching``, a ``+`` line per hold under PREFIX,
+    ``SYNCED``; from then on the connection is an event stream
+    (:mod:`elockd.net.watching` sends it). The watcher is registered and the
+    snapshot's keys listed in this one step, so no event falls between them
+    (:func:`elockd.engine.watchers.snapshot`)."""
+    prefix = args.positional[0] if args.positional else b""
+    config, backend = conn.service.config, conn.backend
+    try:
+        keys = backend.watch_keys(prefix)
+    except NotImplementedError:
+        return WORD.unavailable
+    try:
+        watcher = backend.books.watchers.add(prefix, config.watch_buffer, config.max_watchers)
+    except TooManyWatchers:
+        conn.service.reports.refusal("--max-watchers", conn.peer)
+        return TOO_MANY_WATCHERS
+    conn.watcher = watcher
+    lines = snapshot(watcher, keys, backend.watch_lines)
+    return Streamed(chunked(_after(WATCHING, lines), b""))
+
+
+def _after(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    yield from rest
