@@ -397,3 +397,20 @@ def test_the_page_is_read_only(browser: WebDriver, server: tuple[int, int]) -> N
     script = (Path(str(files("elockd.net").joinpath("static", "status.js")))).read_text()
     assert not re.search(r"[\"'`]kill\b", script)
     assert "innerHTML" not in script and "insertAdjacentHTML" not in script
+
+
+def test_with_tls_the_page_says_its_websocket_is_off(
+    browser: WebDriver, tls_files: dict[str, str]
+) -> None:
+    """The plain-HTTP WebSocket is off when the lock port speaks TLS: the page says
+    so instead of showing an empty table as if nothing were held."""
+    process, _, http_port = start_with_http(
+        "--tls-cert", tls_files["cert"], "--tls-key", tls_files["key"]
+    )
+    try:
+        browser.get(f"http://127.0.0.1:{http_port}/status")
+        wait(browser, lambda b: phase(b) == "disconnected")
+        assert "refused" in browser.find_element(By.ID, "state").text
+        assert not browser.find_element(By.ID, "live").is_displayed()
+    finally:
+        stop_server(process)
