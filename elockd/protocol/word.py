@@ -23,7 +23,7 @@ from elockd.protocol.arguments import (
     parse_whole,
 )
 from elockd.protocol.connection import WORD, Delayed, Reply, Streamed, answer
-from elockd.protocol.replies import CHUNK_BYTES
+from elockd.protocol.replies import chunked
 from elockd.protocol.stats import render_stats
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ LS_OPTIONS = frozenset({b"older", b"limit"})
 FORBIDDEN = b"403 Forbidden\r\n"
 #: The line after the ``limit=N`` rows of ``ls`` when more keys match.
 MORE = "… more\r\n".encode()
-END = b"END\r\n"
 
 
 def cmd_lock(conn: Connection, args: Args, now: float) -> Reply:
@@ -242,22 +241,23 @@ def cmd_ls(conn: Connection, args: Args, now: float) -> Reply:
 
 
 def _ls_chunks(rows: KeyRows, limit: int | None) -> Iterator[bytes]:
-    """The rows as lines in chunks of about :data:`CHUNK_BYTES`, then ``END``; after
-    ``limit`` rows, ``… more`` if another one came. At a stretch of keys left out (a
-    None row) the chunk so far goes, possibly empty, so other connections run."""
-    chunk: list[bytes] = []
-    size = 0
+    """The rows as lines, chunked as ``d`` is, then ``END``; after ``limit`` rows,
+    ``… more`` if another one came. A stretch of keys left out (a None row) sends
+    the chunk so far, possibly empty, so other connections run."""
+    return chunked(_ls_lines(rows, limit))
+
+
+def _ls_lines(rows: KeyRows, limit: int | None) -> Iterator[bytes]:
     listed = 0
     for row in rows:
         if row is None:
-            yield b"".join(chunk)
-            chunk.clear()
-            size = 0
+            yield b""
             continue
         if listed == limit:
-            chunk.append(MORE)
-            break
-        line = b"%s exclusive=%s shared=%d waiting=%d age=%s token=%s ttl=%s\r\n" % (
+            yield MORE
+            return
+        listed += 1
+        yield b"%s exclusive=%s shared=%d waiting=%d age=%s token=%s ttl=%s\r\n" % (
             row.key,
             b"-" if row.owner is None else row.owner,
             row.shared,
@@ -266,15 +266,6 @@ def _ls_chunks(rows: KeyRows, limit: int | None) -> Iterator[bytes]:
             b"-" if row.token is None else b"%d" % row.token,
             b"-" if row.ttl is None else b"%.3f" % row.ttl,
         )
-        listed += 1
-        chunk.append(line)
-        size += len(line)
-        if size >= CHUNK_BYTES:
-            yield b"".join(chunk)
-            chunk.clear()
-            size = 0
-    chunk.append(END)
-    yield b"".join(chunk)
 
 
 def cmd_kill(conn: Connection, args: Args, now: float) -> Reply:
