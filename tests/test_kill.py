@@ -114,7 +114,7 @@ async def test_kill_needs_the_admin_token(
     assert (await admin.stats())["killed"] == 0
 
 
-async def test_the_clients_on_lost_fires_at_the_next_renewal_or_release_after_a_kill(
+async def test_the_clients_on_lost_fires_at_the_next_renewal_release_or_check_after_a_kill(
     server: RunningServer, mock_clock: trio.testing.MockClock
 ) -> None:
     lost: list[Hold] = []
@@ -131,6 +131,13 @@ async def test_the_clients_on_lost_fires_at_the_next_renewal_or_release_after_a_
         with pytest.raises(LockLost):
             await client.release(plain)
         assert lost == [lease, plain] and plain.lost
+        # A check asks the server at once (``token K``), without waiting for either.
+        checked = await client.acquire("jobs/checked", on_lost=lost.append)
+        assert await client.check(checked) is True and lost == [lease, plain]
+        assert await admin.request(b"kill jobs/checked") == b"200 Killed 1"
+        assert await client.check(checked) is False
+        assert lost == [lease, plain, checked] and checked.lost
+        assert checked.lost_reason == "the server no longer has it (token jobs/checked: 403)"
 
 
 async def start(nursery: trio.Nursery, config: Config) -> RunningServer:
