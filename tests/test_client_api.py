@@ -25,6 +25,7 @@ def test_the_public_calls_are_all_there() -> None:
         "lock",
         "shared",
         "mlock",
+        "check",
         "info",
         "stats",
         "ping",

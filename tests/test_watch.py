@@ -101,6 +101,14 @@ def test_the_engine_reports_every_reason() -> None:
         b"- k exclusive 10.0.0.2:2 orphaned\r\n",
         b"- s shared 10.0.0.1:1 holders=0 released\r\n",
     ]
+    engine.acquire(a, b"x", 4.0)
+    engine.acquire_shared(a, b"y", 4.0)
+    engine.evict(b"x", 5.0)  # an operator's kill
+    engine.evict(b"y", 5.0)
+    assert watcher.lines[-2:] == [
+        b"- x exclusive 10.0.0.1:1 killed\r\n",
+        b"- y shared 10.0.0.1:1 holders=0 killed\r\n",
+    ]
 
 
 # ------------------------------------------------------------------ over TCP

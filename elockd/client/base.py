@@ -73,6 +73,7 @@ class ClientBase:
         """``with client.mlock(["a", "b"]) as hold:``: all keys, never a deadlock;
         ``hold.tokens`` has each key's fencing token.""",
     )
+    check = Call(calls.check)
     info = Call(calls.info)
     throttle = Call(calls.throttle)
     stats = Call(calls.stats)

@@ -82,6 +82,31 @@ def leave(client: ClientCore, now: float, hold: Hold, failed: bool) -> Operation
     return Operation(operation.requests, quietly)
 
 
+def check(client: ClientCore, now: float, hold: Hold) -> Operation[bool]:
+    """Whether the server still has ``hold``, asked with ``token K`` for each key of
+    an exclusive hold. One it no longer has (an operator's ``kill``) is marked lost
+    and its ``on_lost`` fires, as at a refused renewal. A shared hold has no such
+    question on the wire: it is found lost at its next renewal or release, so this
+    answers what the client knows."""
+    if not hold.held or hold.shared:
+        return Operation([], lambda: hold.held)
+    requests = [client.submit(b"token " + key, now) for key in hold.keys]
+
+    def finish() -> bool:
+        gone = [r for r in requests if r.error is None and r.reply == b"403 Not Locked"]
+        failed = next((r.error for r in requests if r.error is not None), None)
+        if failed is not None:
+            raise failed
+        for request in requests:
+            if request.code != 200 and request not in gone:
+                raise core.refusal(request)
+        if gone and hold.held:
+            client.lose(hold, f"the server no longer has it ({gone[0].line.decode()}: 403)", now)
+        return hold.held
+
+    return Operation(requests, finish)
+
+
 def info(client: ClientCore, now: float, key: KeyLike) -> Operation[LockInfo]:
     """Who holds ``key`` and how (``info K``)."""
     return client.simple(b"info " + core.encode_key(key), now, core.parse_info)

@@ -382,7 +382,7 @@ class ClientCore:
             request.done = True
             request.event.set()
         for hold in list(self.holds.values()):
-            self._lose(hold, f"connection lost: {error}", now)
+            self.lose(hold, f"connection lost: {error}", now)
         self._out.clear()
 
     def take_lost(self) -> list[Hold]:
@@ -390,7 +390,7 @@ class ClientCore:
         lost, self._lost = self._lost, []
         return lost
 
-    def _lose(self, hold: Hold, reason: str, now: float) -> None:
+    def lose(self, hold: Hold, reason: str, now: float) -> None:
         for key in hold.keys:
             if self.holds.get(key) is hold:
                 del self.holds[key]
@@ -423,7 +423,7 @@ class ClientCore:
             if hold.ttl is None:
                 continue
             if now >= hold._expires_at:
-                self._lose(hold, "lease ran out before a renewal was confirmed", now)
+                self.lose(hold, "lease ran out before a renewal was confirmed", now)
             elif now >= hold._next_renew and not hold._renewing:
                 self._renew(hold, now)
 
@@ -442,7 +442,7 @@ class ClientCore:
             hold._renewing -= 1
             if request.reply != b"200 Renewed":
                 reason = request.reply.decode(errors="replace")
-                self._lose(hold, f"renewal refused ({reason})", sent_at)
+                self.lose(hold, f"renewal refused ({reason})", sent_at)
                 return
             if hold._renewing == 0 and hold.held:
                 hold.renewals += 1
@@ -640,7 +640,7 @@ class ClientCore:
         hold.released = True  # stops renewal; from here on the hold cannot be "lost"
         if self.error is not None:
             hold.released = False
-            self._lose(hold, f"connection lost: {self.error}", now)
+            self.lose(hold, f"connection lost: {self.error}", now)
             return Operation([], hold.raise_if_lost)
         verb = b"unlock_shared" if hold.shared else b"unlock"
         requests = [self.submit(b"%s %s" % (verb, key), now) for key in hold.keys]
@@ -655,7 +655,7 @@ class ClientCore:
                     if refused
                     else f"connection lost before the release was confirmed: {failed}"
                 )
-                self._lose(hold, reason, now)
+                self.lose(hold, reason, now)
                 hold.raise_if_lost()
             if hold.shared and requests:
                 hold.holders = int(requests[0].reply.split()[1])
@@ -673,7 +673,7 @@ class ClientCore:
     def close_holds(self, reason: str, now: float) -> None:
         """The client is closing: every hold still tracked is reported lost."""
         for hold in list(self.holds.values()):
-            self._lose(hold, reason, now)
+            self.lose(hold, reason, now)
 
 
 def not_granted(request: Request) -> bool:

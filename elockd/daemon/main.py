@@ -418,6 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="demand 'auth TOKEN' with this file's content as the first request",
     )
     add(
+        "--admin-token-file",
+        metavar="FILE",
+        type=path_name,
+        default=None,
+        help="'auth' with this file's content marks an operator's connection, the only "
+        "kind that may 'kill' (a token of its own, not --auth-token-file's)",
+    )
+    add(
         "--tls-cert",
         metavar="PEM",
         type=path_name,

@@ -93,6 +93,8 @@ class Bookkeeping:
         self.shared_orphans = 0
         self.expired = 0
         self.timeouts = 0
+        # Holds an operator freed with ``kill K`` (exclusive and shared).
+        self.killed = 0
         # Throttle requests answered 200 (admitted) and 409 (throttled).
         self.admitted = 0
         self.throttled = 0

@@ -60,9 +60,10 @@ from elockd.engine.bookkeeping import (
     QueueFull,
     TooManyHolds,
 )
+from elockd.engine.keyindex import KeyIndex
 from elockd.engine.sessions import CANCELLED, GRANTED, WAITING, Hold, Session, Waiter
 from elockd.engine.throttles import Throttles, ThrottleWaiter
-from elockd.engine.watchers import EXPIRED, ORPHANED, RELEASED, free_line, grant_line
+from elockd.engine.watchers import EXPIRED, KILLED, ORPHANED, RELEASED, free_line, grant_line
 
 # Re-exported: the engine's callers (and its tests) name them through this module.
 __all__ = [
@@ -155,6 +156,10 @@ class LockEngine(Bookkeeping):
         self.detached = 0
         # ``throttle``: its own namespace of keys, on this engine's deadline heap.
         self.throttles = Throttles(self, max_throttles=max_throttles)
+        # ``ls``: the keys in byte order, kept lazily (elockd.engine.keyindex). The
+        # grants test ``key not in self._indexed`` inline: one set lookup.
+        self.index = KeyIndex()
+        self._indexed = self.index.members
 
     # ---------------------------------------------------------------- sessions
 
@@ -339,6 +344,8 @@ class LockEngine(Bookkeeping):
         return True
 
     def _grant_exclusive(self, session: Session, key: bytes, now: float, ttl: float | None) -> Hold:
+        if key not in self._indexed:
+            self._index_key(key)
         hold = Hold(session, key, False, self._next_token, now)
         self._next_token += 1
         self.exclusive[key] = hold
@@ -433,6 +440,8 @@ class LockEngine(Bookkeeping):
         count."""
         if key in session.shared:
             return self.shared_count(key)
+        if key not in self._indexed:
+            self._index_key(key)
         hold = Hold(session, key, True, 0, now)
         entry = self.shared.get(key)
         if entry is None:
@@ -503,6 +512,29 @@ class LockEngine(Bookkeeping):
                 del self.shared[key]
 
     # ------------------------------------------------------------ both tables
+
+    def _index_key(self, key: bytes) -> None:
+        """A key granted for the first time since the index last swept it away."""
+        due = self.index.add(key, len(self.exclusive) + len(self.shared))
+        if due and self.on_new_deadline is not None:
+            self.on_new_deadline()  # wake the timer: a sweep is due
+
+    def is_live(self, key: bytes) -> bool:
+        """Whether ``key`` has a hold (in memory a key with a waiter has one too: a
+        free key has no queue, and a shared queue waits only while its head's limit
+        is reached, a limit of 1 or more)."""
+        return key in self.exclusive or key in self.shared
+
+    def evict(self, key: bytes, now: float) -> list[Hold]:
+        """``kill K``: free every hold on ``key``, exclusive and shared, whoever owns
+        it, as a release would (its waiters are served, the next exclusive grant takes
+        a larger fencing token); the holds freed, counted in ``killed``."""
+        holds = [*self.exclusive_holds(key), *self.shared_holds(key)]
+        for hold in holds:
+            self._free(hold, now, KILLED)
+            self._forget_if_done(hold.session)
+        self.killed += len(holds)
+        return holds
 
     def release_all(self, session: Session, now: float) -> None:
         for hold in list(session.exclusive.values()):
@@ -664,7 +696,7 @@ class LockEngine(Bookkeeping):
     def next_deadline(self) -> float | None:
         """When :meth:`advance` next has work (possibly a stale entry), or None;
         minus infinity while ending sessions wait to be freed."""
-        if self._ending:
+        if self._ending or self.index.sweeping:
             return -math.inf
         deadline = self._deadlines.next()
         lapse = self.throttles.next_lapse()
@@ -680,6 +712,8 @@ class LockEngine(Bookkeeping):
         """
         self._free_budget = self.free_slice
         self._free_ending(now)
+        if self.index.sweeping:
+            self.index.sweep(self.is_live, self.free_slice)
         if budget is None:
             budget = -1
         for deadline, target in self._deadlines.due(now):
@@ -702,6 +736,8 @@ class LockEngine(Bookkeeping):
             while self._ending:
                 self._free_budget = self.free_slice
                 self._free_ending(now)
+            while self.index.sweep(self.is_live, self.free_slice):
+                pass
         self._free_budget = self.free_slice
         next_due = self.next_deadline()
         return next_due is not None and next_due <= now

@@ -123,6 +123,7 @@ def connection_records(
                 "session": None if conn is None else session_index[conn.session],
                 "peer": text(parked.peer),
                 "authenticated": conn is None or conn.authenticated,
+                "admin": conn is not None and conn.admin,
                 "named": None if conn is None else named.get(conn),
                 "pending": pending,
                 "lines": [None if line is None else text(line) for line in backlog.remaining()],
@@ -188,6 +189,7 @@ def rebuild_connections(
             conn = Connection(service, peer, session)
             if record["authenticated"]:
                 conn.authenticate()
+            conn.admin = record.get("admin", False)  # none in a state from before kill
             if record["named"] is not None:
                 named.append((record["named"], conn))
             if record["pending"] is not None:

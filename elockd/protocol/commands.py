@@ -78,6 +78,9 @@ TABLE: tuple[Command, ...] = (
         wait_reply=word.throttle_line,
     ),
     Command(b"ping", WORD, word.cmd_ping),
+    # Operators (docs/protocol.md: Operators).
+    Command(b"ls", WORD, word.cmd_ls, arguments=1, options=word.LS_OPTIONS),
+    Command(b"kill", WORD, word.cmd_kill, arguments=1),
     Command(b"auth", WORD, word.cmd_auth, needs_auth=False, raw=True, secret=True),
     # Operators (issue 28): watch.
     Command(b"watch", WORD, word.cmd_watch, arguments=1),

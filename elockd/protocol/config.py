@@ -56,6 +56,8 @@ class Config:
     # A failed `auth` is answered only after this long, so guessing tokens is slow.
     auth_failure_delay: float = 1.0
     auth_token_file: str | None = None
+    # The operators' token: `auth` with it marks a connection that may `kill`.
+    admin_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

@@ -12,11 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from elockd.backend.interface import Grant, KeyInfo
+from elockd.backend.interface import Evicted, Grant, KeyInfo, KeyRows
 from elockd.engine.gcra import Rate, Verdict, milliseconds
 from elockd.engine.sessions import Session
 from elockd.engine.watchers import TooManyWatchers, snapshot
-from elockd.protocol.arguments import Args, BadRequest, parse_number, parse_seconds, parse_whole
+from elockd.protocol.arguments import (
+    Args,
+    BadRequest,
+    parse_number,
+    parse_seconds,
+    parse_whole,
+)
 from elockd.protocol.connection import WORD, Delayed, Reply, Streamed, answer
 from elockd.protocol.replies import chunked
 from elockd.protocol.stats import render_stats
@@ -36,6 +42,11 @@ TTL_OPTION = frozenset({b"ttl"})
 SHARED_OPTIONS = frozenset({b"limit", b"ttl"})
 MLOCK_OPTIONS = frozenset({b"wait", b"ttl"})
 THROTTLE_OPTIONS = frozenset({b"burst", b"cost", b"wait"})
+LS_OPTIONS = frozenset({b"older", b"limit"})
+
+FORBIDDEN = b"403 Forbidden\r\n"
+#: The line after the ``limit=N`` rows of ``ls`` when more keys match.
+MORE = "… more\r\n".encode()
 
 
 def cmd_lock(conn: Connection, args: Args, now: float) -> Reply:
@@ -226,6 +237,73 @@ def throttle_line(verdict: Verdict) -> bytes:
         max(1, milliseconds(verdict.retry)),
         milliseconds(verdict.reset),
     )
+
+
+def cmd_ls(conn: Connection, args: Args, now: float) -> Reply:
+    """``ls [PREFIX] [older=S] [limit=N]``: a line per key with a hold or a waiter,
+    sorted, streamed like ``d``. ``ls older=S`` (no prefix) is read as the option, not
+    as a prefix: the one place a first word with ``=`` is not a key."""
+    prefix = b""
+    if args.positional:
+        first = args.positional[0]
+        name, equals, value = first.partition(b"=")
+        if equals and name in LS_OPTIONS:
+            if name in args.options:
+                raise BadRequest(f"option {name.decode()} given twice")
+            args.options[name] = value
+        else:
+            prefix = first
+    older_option = args.options.get(b"older")
+    older = None if older_option is None else parse_number(older_option, "older")
+    limit = args.limit()
+    rows = conn.backend.listing(
+        prefix, now, older=older, limit=None if limit is None else limit + 1
+    )
+    return answer(rows, lambda found: Streamed(_ls_chunks(found, limit)), WORD, conn.peer)
+
+
+def _ls_chunks(rows: KeyRows, limit: int | None) -> Iterator[bytes]:
+    """The rows as lines, chunked as ``d`` is, then ``END``; after ``limit`` rows,
+    ``… more`` if another one came. A stretch of keys left out (a None row) sends
+    the chunk so far, possibly empty, so other connections run."""
+    return chunked(_ls_lines(rows, limit))
+
+
+def _ls_lines(rows: KeyRows, limit: int | None) -> Iterator[bytes]:
+    listed = 0
+    for row in rows:
+        if row is None:
+            yield b""
+            continue
+        if listed == limit:
+            yield MORE
+            return
+        listed += 1
+        yield b"%s exclusive=%s shared=%d waiting=%d age=%s token=%s ttl=%s\r\n" % (
+            row.key,
+            b"-" if row.owner is None else row.owner,
+            row.shared,
+            row.waiting,
+            b"-" if row.age is None else b"%.3f" % row.age,
+            b"-" if row.token is None else b"%d" % row.token,
+            b"-" if row.ttl is None else b"%.3f" % row.ttl,
+        )
+
+
+def cmd_kill(conn: Connection, args: Args, now: float) -> Reply:
+    """``kill K``: an operator frees every hold on K (only a connection that passed
+    ``auth`` with the ``--admin-token-file`` token). Logged at warning, with the
+    admin's peer and every evicted owner."""
+    key = args.key()
+    if not conn.admin:
+        return FORBIDDEN
+    reports, peer = conn.service.reports, conn.peer
+
+    def killed(evicted: list[Evicted]) -> bytes:
+        reports.kill(peer, key, evicted)
+        return b"200 Killed %d\r\n" % len(evicted)
+
+    return answer(conn.backend.kill(key, now), killed, WORD, conn.peer)
 
 
 def cmd_ping(conn: Connection, args: Args, now: float) -> Reply:
