@@ -36,6 +36,7 @@ from tests.support.server_process import start_server, stop_server
 PATIENCE = 10.0
 POLL = 0.05
 TOKEN = "status-page-token"
+ADMIN_TOKEN = "status-page-admin"
 
 
 def browser_binaries() -> tuple[str, str]:
@@ -79,9 +80,11 @@ def start_with_http(*args: str) -> tuple[subprocess.Popen[str], int, int]:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[int, int]]:
-    """(lock port, HTTP port) of a server without auth."""
-    process, port, http_port = start_with_http()
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]:
+    """(lock port, HTTP port) of a server without auth, with an operator's token."""
+    admin = tmp_path_factory.mktemp("status-admin") / "admin"
+    admin.write_text(ADMIN_TOKEN + "\n")
+    process, port, http_port = start_with_http("--admin-token-file", str(admin))
     yield port, http_port
     stop_server(process)
 
@@ -284,6 +287,20 @@ def test_the_table_has_every_column_and_keeps_a_snapshot(
     wait(browser, lambda b: (row_of(b, "cols/x") or {}).get("owner") == waiter.peer)
     wait(browser, lambda b: (row_of(b, "cols/x") or {}).get("waiters") == "0")
     assert browser.find_element(By.ID, "c-events").text != "0"
+    assert page_errors(browser) == []
+
+
+def test_a_killed_hold_vanishes(
+    browser: WebDriver, server: tuple[int, int], clients: Callable[..., Client]
+) -> None:
+    port, http_port = server
+    holder, admin = clients(port), clients(port, ADMIN_TOKEN)
+    assert holder.ask("lock stuck/job") == "200 Acquired"
+    open_page(browser, http_port, "?prefix=stuck/")
+    wait(browser, lambda b: row_of(b, "stuck/job"))
+    assert admin.ask("kill stuck/job") == "200 Killed 1"
+    wait(browser, lambda b: row_of(b, "stuck/job") is None)
+    wait(browser, lambda b: b.find_element(By.ID, "q-killed").text == "1")
     assert page_errors(browser) == []
 
 
