@@ -167,6 +167,33 @@ async def test_the_idle_timeout_applies_to_websocket_sessions(
             await ws.get_message()
 
 
+async def upgrade_status(port: int, *headers: bytes) -> bytes:
+    """The status line of a raw upgrade request to ``port`` with ``headers`` added."""
+    raw = trio.socket.socket()
+    await raw.connect(("127.0.0.1", port))
+    await raw.send(
+        b"GET / HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nUpgrade: websocket\r\n" % port
+        + b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        + b"Sec-WebSocket-Version: 13\r\n"
+        + b"".join(header + b"\r\n" for header in headers)
+        + b"\r\n"
+    )
+    status = (await raw.recv(4096)).split(b"\r\n")[0]
+    raw.close()
+    return status
+
+
+async def test_a_page_of_another_site_cannot_open_a_lock_session(nursery: trio.Nursery) -> None:
+    """Cross-site WebSocket hijacking: a browser says which page opened the socket."""
+    server = await start(nursery)
+    port = server.http_port
+    assert b" 403 " in await upgrade_status(port, b"Origin: https://evil.example")
+    assert b" 403 " in await upgrade_status(port, b"Origin: null")
+    assert b" 403 " in await upgrade_status(port, b"Origin: http://127.0.0.1:%d" % (port + 1))
+    assert b" 101 " in await upgrade_status(port, b"Origin: http://127.0.0.1:%d" % port)
+    assert b" 101 " in await upgrade_status(port)  # not a browser: no Origin
+
+
 async def test_upgrades_are_refused_when_the_lock_port_speaks_tls(
     nursery: trio.Nursery, ca: trustme.CA, tls_files: dict[str, str]
 ) -> None:

@@ -32,7 +32,8 @@ breaks its reference cycles, so that it is freed at once by its reference counts
 It counts against ``--max-connections`` (a connection over the limit is told ``0 Too
 Many Connections`` and closed with 1013), not against ``--metrics-max-connections``.
 When the lock port speaks TLS, upgrades are refused (403): the plain-HTTP port must
-not bypass the encryption the operator asked for.
+not bypass the encryption the operator asked for. So is an upgrade a browser makes
+from a page of another site (its ``Origin`` is not this host: :func:`cross_site`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import math
 import socket
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
+from urllib.parse import urlsplit
 
 import trio
 from wsproto import ConnectionType, WSConnection
@@ -420,6 +422,20 @@ class WebSocketTransport:
         await self._flush()
 
 
+def cross_site(request: Request) -> bool:
+    """Whether a browser opened this socket from a page of another site. A browser
+    names the page's origin in ``Origin``, and any page on the web may open
+    ``ws://127.0.0.1:9998/``: without this check a site the operator visits could
+    take and free locks through the operator's browser (cross-site WebSocket
+    hijacking). Clients that are not browsers send no ``Origin``, or, as the
+    websocket-client library does, this very host's; the status page is served
+    from this host too."""
+    origin = next((v for k, v in request.extra_headers if k.lower() == b"origin"), None)
+    if origin is None:
+        return False
+    return urlsplit(origin.decode("latin-1")).netloc.lower() != request.host.lower()
+
+
 async def serve_websocket(
     service: PausableService,
     slots: ConnectionSlots,
@@ -448,7 +464,7 @@ async def serve_websocket(
     if request is None:  # elockd.net.http sends only whole upgrade requests here
         await transport.reject(400)
         return
-    if request.target.split("?", 1)[0] != "/" or config.tls_cert:
+    if request.target.split("?", 1)[0] != "/" or config.tls_cert or cross_site(request):
         await transport.reject(403)
         return
     try:
