@@ -8,6 +8,9 @@ Two in-memory services see the same lines at the same times; one has the table's
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -103,3 +106,37 @@ def test_the_fast_path_answers_as_the_declared_arguments_do(
         line = b"throttle " + rest
         assert reply_of(fast, line, now) == reply_of(slow, line, now), line
         assert throttle_throttled(fast_service) == throttle_throttled(general), line
+
+
+def test_every_reason_a_throttle_is_refused_for_is_in_the_protocol_doc() -> None:
+    """Each ``400`` a bad ``throttle`` gets names a reason docs/protocol.md lists (the
+    throttle table's, or the reasons every word verb shares)."""
+    doc = " ".join((Path(__file__).parent.parent / "docs" / "protocol.md").read_text().split())
+    conn = Connection(memory_service(max_ttl=3600), b"bad")
+    bad = [
+        b"",
+        b"k",
+        b"k 10",
+        b"k 0 60",
+        b"k x 60",
+        b"k 10 0",
+        b"k 10 1m",
+        b"k 10 -1",
+        b"k 10 3601",
+        b"k 10 60 burst=0",
+        b"k 10 60 cost=x",
+        b"k 10 60 burst=2 cost=3",
+        b"k 10 60 wait=-1",
+        b"k 10 60 wait=3601",
+        b"k 10 60 bogus=1",
+        b"k 10 60 wait=1 wait=2",
+        b"k 10 60 wait=1 5",
+        b"k 10 60 5",
+    ]
+    for rest in bad:
+        reply = reply_of(conn, b"throttle " + rest, 0.0)
+        assert reply.startswith(b"400 Bad Request: "), (rest, reply)
+        reason = reply[len(b"400 Bad Request: ") : -2].decode()
+        reason = re.sub(r"(unknown option|option) \w+", r"\1 NAME", reason)
+        reason = re.sub(r"\(3600 s\)", "(", reason)
+        assert f"`{reason}" in doc, (rest, reason)
