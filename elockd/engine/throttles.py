@@ -17,6 +17,10 @@ lock engine beside it: no trio, no I/O, time passed in.
   ``tryAcquire(timeout)`` does) instead of holding a place it cannot use.
 * A throttle belongs to no session, but a wait does: a waiter's disconnect cancels
   its wait and changes nothing else.
+* A line may be ``--max-waiters`` long, so no request walks it: the end of each
+  line's fold (every waiter admitted at its earliest) is kept and extended as
+  waiters join (:class:`Tail`). A removal or an admission sets it aside; the next
+  request that needs it walks the line once. A disconnect walks nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from elockd.engine.bookkeeping import Bookkeeping, QueueFull
 from elockd.engine.gcra import EPSILON, Rate, Verdict, admit_at, judge
@@ -83,6 +88,20 @@ class ThrottleWaiter:
 Line = OrderedDict[ThrottleWaiter, None]
 
 
+class Tail(NamedTuple):
+    """Where a line ends if every waiter is admitted at its earliest: the fold of
+    :meth:`Throttles._behind`, kept so that a request behind a long line costs O(1).
+    Valid while the key's TAT is ``tat`` and the line has ``length`` waiters, none
+    gone since (a removal drops it), and for any ``now`` up to ``first``, the head's
+    turn: the fold starts at ``max(now, first)``, which is ``first`` then."""
+
+    tat: float
+    length: int
+    first: float
+    when: float
+    end: float
+
+
 class Throttles:
     """Every throttle key's TAT and line. ``books`` is the engine's bookkeeping: the
     counters (``admitted``, ``throttled``, ``timeouts``), the deadline heap and the
@@ -93,6 +112,8 @@ class Throttles:
         self.max_throttles = max_throttles
         self.tats: dict[bytes, float] = {}
         self.lines: dict[bytes, Line] = {}
+        # Each line's Tail, while it holds (absent: walk the line when needed).
+        self._tails: dict[bytes, Tail] = {}
         # Waits by session, so that a disconnect finds its waits without a scan (in
         # the order they came: a dict, not a set, so cancelling is deterministic).
         self.by_session: dict[Session, dict[ThrottleWaiter, None]] = {}
@@ -136,12 +157,42 @@ class Throttles:
         admitted at its earliest: refused, ``retry`` until its own turn, ``reset``
         as the key is now."""
         reset = max(tat - now, 0.0)
-        when = now
-        for waiter in line:
-            when = max(when, admit_at(tat, waiter.rate))
-            tat = max(tat, when) + waiter.rate.cost * waiter.rate.interval
+        tail = self._tail(line, tat) if line else None
+        if tail is not None and now <= tail.first:  # the kept fold, float for float
+            when, tat = tail.when, tail.end
+        else:  # no line, or its head's turn is past and not served yet: fold from now
+            when = now
+            for waiter in line:
+                when = max(when, admit_at(tat, waiter.rate))
+                tat = max(tat, when) + waiter.rate.cost * waiter.rate.interval
         mine = max(when, admit_at(tat, rate))
         return Verdict(False, rate.burst, 0, reset, mine - now)
+
+    def _tail(self, line: Line, tat: float) -> Tail:
+        """``line``'s :class:`Tail` from a key at ``tat``: the kept one, or walked."""
+        key = next(iter(line)).key
+        tail = self._tails.get(key)
+        if tail is not None and tail.tat == tat and tail.length == len(line):
+            return tail
+        when, end, first = -math.inf, tat, math.inf
+        for waiter in line:
+            when = max(when, admit_at(end, waiter.rate))
+            if first == math.inf:
+                first = when
+            end = max(end, when) + waiter.rate.cost * waiter.rate.interval
+        tail = self._tails[key] = Tail(tat, len(line), first, when, end)
+        return tail
+
+    def _extend(self, key: bytes, line: Line, waiter: ThrottleWaiter) -> None:
+        """``waiter`` joined the end of ``line``: its step goes on the kept Tail."""
+        tail = self._tails.get(key)
+        tat = self.tats.get(key, -math.inf)
+        if tail is None or tail.tat != tat or tail.length != len(line) - 1:
+            return  # set aside already: the next request walks the line
+        when = max(tail.when, admit_at(tail.end, waiter.rate))
+        end = max(tail.end, when) + waiter.rate.cost * waiter.rate.interval
+        first = when if tail.length == 0 else tail.first
+        self._tails[key] = Tail(tat, len(line), first, when, end)
 
     def _enqueue(
         self, session: Session, key: bytes, now: float, rate: Rate, wait: float, line: Line | None
@@ -149,7 +200,10 @@ class Throttles:
         waiter = ThrottleWaiter(session, key, rate, now)
         if line is None:
             line = self.lines[key] = OrderedDict()
+            tat = self.tats.get(key, -math.inf)
+            self._tails[key] = Tail(tat, 0, math.inf, -math.inf, tat)
         line[waiter] = None
+        self._extend(key, line, waiter)
         self.by_session.setdefault(session, {})[waiter] = None
         self.waiting += 1
         waiter.deadline = now + wait
@@ -209,10 +263,12 @@ class Throttles:
                 return
             head.admit = turn  # when its turn came: within its wait
             del line[head]
+            self._tails.pop(key, None)
             self._set(key, new)
             self.books.admitted += 1
             self._finish(head, verdict, now)
         self.lines.pop(key, None)
+        self._tails.pop(key, None)
 
     def cancel(self, waiter: ThrottleWaiter, now: float) -> None:
         """The waiter's client went away: it leaves its line, nothing else changes."""
@@ -232,16 +288,22 @@ class Throttles:
         self._drop(waiter, line, now, timed_out=timed_out)
         if not line:
             del self.lines[waiter.key]
+            self._tails.pop(waiter.key, None)
         elif was_head:
             self._serve(waiter.key, now)  # the next may fit at once (a cheaper one)
 
     def _drop(self, waiter: ThrottleWaiter, line: Line, now: float, *, timed_out: bool) -> None:
         del line[waiter]
+        self._tails.pop(waiter.key, None)
         tat = self.tats.get(waiter.key, -math.inf)
-        verdict = self._behind(line, tat, now, waiter.rate)  # its 409, were it asked again
-        if timed_out:
+        if timed_out:  # its 409, were it asked again
+            verdict = self._behind(line, tat, now, waiter.rate)
             self.books.timeouts += 1
             self.books.throttled += 1
+        else:  # its client is gone, its answer unsent (one client may drop a whole
+            # line at once): its own turn, without walking the line behind it
+            turn = max(admit_at(tat, waiter.rate), now)
+            verdict = Verdict(False, waiter.rate.burst, 0, max(tat - now, 0.0), turn - now)
         self._finish(waiter, verdict, now, state=CANCELLED)
 
     def _finish(

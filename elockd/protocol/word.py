@@ -189,7 +189,14 @@ def cmd_throttle_line(conn: Connection, rest: bytes, now: float) -> Reply:
     parts = rest.split(b" ")
     if len(parts) == 3:
         key, count, period = parts
-        if key and count.isdigit() and period.isdigit() and len(count) + len(period) < 16:
+        # A tab in the key splits it in the declared arguments (Args): not this shape.
+        if (
+            key
+            and count.isdigit()
+            and period.isdigit()
+            and len(count) + len(period) < 16
+            and b"\t" not in key
+        ):
             calls, seconds = int(count), int(period)
             if calls and 0 < seconds <= conn.service.config.max_ttl:
                 rate = Rate(calls, float(seconds), calls, 1)
