@@ -80,6 +80,38 @@ def test_dropping_every_waiter_does_not_walk_the_line_for_each(steps: list[int])
     assert steps[0] - before <= 4 * LINE, steps[0] - before
 
 
+def test_a_late_timer_times_a_whole_line_out_without_a_walk_for_each(
+    steps: list[int],
+) -> None:
+    """Waits of 10.5 s behind a spent burst, and a timer that comes round 10.4 s
+    late (a busy loop, a pause): the heads are admitted at ``now``, so the rest of
+    the line cannot make it any more and times out in one batch at one ``now``:
+    one walk of the line, not one per timeout."""
+    engine = LockEngine(max_waiters=LINE)
+    table = engine.throttles
+    spender = engine.open_session("spender", b"p")
+    for _ in range(RATE.burst):
+        table.request(spender, b"k", 0.0, RATE, 0.0)
+    line = [
+        table.request(engine.open_session(f"w{n}", b"p"), b"k", 0.0, RATE, 10.5)
+        for n in range(LINE)
+    ]
+    assert all(isinstance(w, ThrottleWaiter) for w in line)
+    engine.advance(10.4)
+    before = steps[0]
+    engine.advance(11.0)
+    timed_out = [
+        w
+        for w in line
+        if isinstance(w, ThrottleWaiter) and w.verdict is not None and not w.verdict.admitted
+    ]
+    assert len(timed_out) >= 500 and table.waiting == 0
+    assert steps[0] - before <= 4 * LINE, steps[0] - before
+    # Each 409 tells a retry no shorter than its true turn behind what is left.
+    for waiter in timed_out:
+        assert waiter.verdict is not None and waiter.verdict.retry > 0
+
+
 def walked(line: Iterable[ThrottleWaiter], tat: float, now: float, rate: Rate) -> Verdict:
     """The fold the kept tails stand for, walked step by step."""
     reset = max(tat - now, 0.0)

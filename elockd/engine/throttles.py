@@ -114,6 +114,9 @@ class Throttles:
         self.lines: dict[bytes, Line] = {}
         # Each line's Tail, while it holds (absent: walk the line when needed).
         self._tails: dict[bytes, Tail] = {}
+        # The ends of lines that timeouts at ``_bounds_now`` walked: (TAT, when, end).
+        self._bounds: dict[bytes, tuple[float, float, float]] = {}
+        self._bounds_now = -math.inf
         # Waits by session, so that a disconnect finds its waits without a scan (in
         # the order they came: a dict, not a set, so cancelling is deterministic).
         self.by_session: dict[Session, dict[ThrottleWaiter, None]] = {}
@@ -297,7 +300,7 @@ class Throttles:
         self._tails.pop(waiter.key, None)
         tat = self.tats.get(waiter.key, -math.inf)
         if timed_out:  # its 409, were it asked again
-            verdict = self._behind(line, tat, now, waiter.rate)
+            verdict = self._after_timeout(waiter, line, tat, now)
             self.books.timeouts += 1
             self.books.throttled += 1
         else:  # its client is gone, its answer unsent (one client may drop a whole
@@ -305,6 +308,28 @@ class Throttles:
             turn = max(admit_at(tat, waiter.rate), now)
             verdict = Verdict(False, waiter.rate.burst, 0, max(tat - now, 0.0), turn - now)
         self._finish(waiter, verdict, now, state=CANCELLED)
+
+    def _after_timeout(self, waiter: ThrottleWaiter, line: Line, tat: float, now: float) -> Verdict:
+        """A timed-out waiter's 409: as :meth:`_behind` words it, but a late timer
+        (a busy loop, a hand-over's pause) can time out a whole line at one ``now``,
+        and a walk of the line for each would be O(line²). So the first timeout of a
+        key at a given ``now`` and TAT walks the line once, and the others of that
+        batch reuse its end: the line has only lost waiters since, and a shorter line
+        ends no later, so their ``retry`` may count a waiter that left with them,
+        never too few."""
+        if self._bounds_now != now:
+            self._bounds_now = now
+            self._bounds.clear()
+        bound = self._bounds.get(waiter.key)
+        if bound is None or bound[0] != tat:
+            when, end = now, tat
+            for ahead in line:
+                when = max(when, admit_at(end, ahead.rate))
+                end = max(end, when) + ahead.rate.cost * ahead.rate.interval
+            bound = self._bounds[waiter.key] = (tat, when, end)
+        _, when, end = bound
+        mine = max(when, admit_at(end, waiter.rate))
+        return Verdict(False, waiter.rate.burst, 0, max(tat - now, 0.0), mine - now)
 
     def _finish(
         self, waiter: ThrottleWaiter, verdict: Verdict, now: float, state: int = GRANTED
