@@ -18,6 +18,8 @@ import socket
 import struct
 import sys
 
+from elockd.handover.records import VERSION
+
 
 def send(sock: socket.socket, message: dict[str, object]) -> None:
     payload = json.dumps({**message, "fds": 0}).encode()
@@ -54,7 +56,7 @@ def main() -> int:
         reply = receive(sock, buffer)
         print(reply)
         return 0 if reply is not None and reply.get("t") == "refused" else 1
-    send(sock, {"t": "hello", "format": "elockd-state", "versions": [2]})
+    send(sock, {"t": "hello", "format": "elockd-state", "versions": [VERSION]})
     while (message := receive(sock, buffer)) is not None and message.get("t") != "end":
         pass
     if message is None:
