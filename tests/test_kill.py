@@ -1,8 +1,8 @@
 """``kill K`` and ``--admin-token-file`` over TCP (docs/protocol.md: Operators, Access).
 
-The contract tests take the ``server`` fixture (the in-memory server, its tokens
-set by this module's ``server_config``) and ``mock_clock``; they are written to run
-on ``lock_server`` as well once the cluster backend answers ``kill``.
+The contract tests take ``lock_server`` and ``clock`` (its tokens set by this
+module's ``server_config``), so they run on both backends: in memory on a mock
+clock, and on a cluster node in real time.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ async def token_of(client: LineClient, key: bytes) -> int:
 
 
 async def test_kill_frees_every_hold_and_fences_the_evicted_holder(
-    server: RunningServer, mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    lock_server: RunningServer,
+    clock: trio.testing.MockClock | None,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    server = lock_server
     caplog.set_level(logging.WARNING, logger="elockd")
     holder = await client_with(server, LOCK_TOKEN, b"stuck-job")
     waiter = await client_with(server, LOCK_TOKEN, b"next-job")
@@ -98,8 +101,9 @@ async def test_kill_frees_every_hold_and_fences_the_evicted_holder(
 
 
 async def test_kill_needs_the_admin_token(
-    server: RunningServer, mock_clock: trio.testing.MockClock
+    lock_server: RunningServer, clock: trio.testing.MockClock | None
 ) -> None:
+    server = lock_server
     holder = await client_with(server, LOCK_TOKEN)
     assert await holder.request(b"lock k") == b"200 Acquired"
     assert await holder.request(b"kill k") == b"403 Forbidden"
@@ -115,17 +119,18 @@ async def test_kill_needs_the_admin_token(
 
 
 async def test_the_clients_on_lost_fires_at_the_next_renewal_or_release_after_a_kill(
-    server: RunningServer, mock_clock: trio.testing.MockClock
+    lock_server: RunningServer, clock: trio.testing.MockClock | None
 ) -> None:
+    server = lock_server
     lost: list[Hold] = []
     admin = await client_with(server, ADMIN_TOKEN)
     async with Client("127.0.0.1", server.port, auth_token=LOCK_TOKEN) as client:
-        lease = await client.acquire("jobs/lease", ttl=30, on_lost=lost.append)
+        lease = await client.acquire("jobs/lease", ttl=3, on_lost=lost.append)
         plain = await client.acquire("jobs/plain", on_lost=lost.append)
         assert await admin.request(b"kill jobs/lease") == b"200 Killed 1"
         assert await admin.request(b"kill jobs/plain") == b"200 Killed 1"
         assert lost == [] and lease.held  # nothing told the client yet
-        await trio.sleep(11)  # past a third of the ttl: the renewal is refused
+        await trio.sleep(1.5)  # past a third of the ttl: the renewal is refused
         assert lost == [lease] and lease.lost
         assert lease.lost_reason == "renewal refused (403 Not Locked)"
         with pytest.raises(LockLost):
