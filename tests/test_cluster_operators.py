@@ -4,9 +4,16 @@ ordered names ``ls`` reads (docs/cluster.md, "Operators on a cluster")."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+import trio
+
 from elockd.backend.cluster.etcd.client import Event, KeyValue
 from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, entry_value, parse_entry_value
 from elockd.backend.cluster.mirror import Freed, Granted, QueueMirror
+from tests.support.cluster_nodes import Nodes
+from tests.support.polling import eventually, until_waiting
 from tests.test_cluster_mirror import LAYOUT, NODE_LEASE, delete
 
 
@@ -151,3 +158,69 @@ def test_the_write_time_rides_on_the_address() -> None:
         5.0,
     )
     assert parse_entry_value(entry_value(0, None, b"o", peer=b"unix")).at is None
+
+
+# ------------------------------------------------------------------ two nodes
+
+
+@pytest.mark.cluster
+async def test_two_nodes_watch_list_and_kill_across_each_other(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """A watcher on A hears what is done through B, in revision order; a kill through
+    A evicts B's holder (its ``token`` then 403) and B's waiter gets a larger token;
+    ``ls`` on either node lists the keys held through both."""
+    admin_file = tmp_path / "admin"
+    admin_file.write_text("op-token\n")
+    a = nodes.start("--admin-token-file", str(admin_file))
+    b = nodes.start("--admin-token-file", str(admin_file))
+    watcher = await a.connect()
+    await watcher.send(b"watch j/\n")
+    assert await watcher.line() == b"200 Watching\r\n"
+    assert await watcher.line() == b"SYNCED\r\n"
+    bee, next_bee, ada = await b.connect(), await b.connect(), await a.connect()
+    assert await bee.request(b"iam bee") == b"1 ok"
+    assert await next_bee.request(b"iam next") == b"1 ok"
+    assert await ada.request(b"iam ada") == b"1 ok"
+    assert await bee.request(b"lock j/x") == b"200 Acquired"
+    killed = int((await bee.request(b"token j/x"))[4:])
+    assert await bee.request(b"lock_shared j/s") == b"200 1"
+    assert await ada.request(b"lock j/y") == b"200 Acquired"
+    ada_token = int((await ada.request(b"token j/y"))[4:])
+    await next_bee.send(b"lock j/x 30\n")
+    await until_waiting(bee, b"j/x")
+    for node in (a, b):
+        client = await node.connect()
+        listed = (await client.listing(b"ls j/")).split(b"\r\n")
+        assert [line.split(b" ")[:5] for line in listed[:-2]] == [
+            [b"j/s", b"exclusive=-", b"shared=1", b"waiting=0", listed[0].split(b" ")[4]],
+            [b"j/x", b"exclusive=bee", b"shared=0", b"waiting=1", listed[1].split(b" ")[4]],
+            [b"j/y", b"exclusive=ada", b"shared=0", b"waiting=0", listed[2].split(b" ")[4]],
+        ]
+        ages = [float(line.split(b" ")[4][4:]) for line in listed[:-2]]
+        assert ages[0] <= ages[1] + 0.5 and all(0 <= age < 30 for age in ages)
+    admin = await a.connect()
+    assert await admin.request(b"auth op-token") == b"200 OK"
+    assert await admin.request(b"kill j/x") == b"200 Killed 1"
+    assert await next_bee.line() == b"200 Acquired\r\n"
+    next_token = int((await next_bee.request(b"token j/x"))[4:])
+    assert next_token > killed
+
+    async def evicted() -> bool:
+        return await bee.request(b"token j/x") == b"403 Not Locked"
+
+    await eventually(evicted, what="B drops the killed hold")
+    assert await bee.request(b"unlock j/x") == b"403 Not Locked"
+    assert await bee.request(b"unlock_shared j/s") == b"200 0"
+    expected = [
+        b"+ j/x exclusive bee token=%d\r\n" % killed,
+        b"+ j/s shared bee holders=1\r\n",
+        b"+ j/y exclusive ada token=%d\r\n" % ada_token,
+        b"- j/x exclusive bee killed\r\n",
+        b"+ j/x exclusive next token=%d\r\n" % next_token,
+        b"- j/s shared bee holders=0 released\r\n",
+    ]
+    with trio.fail_after(10):
+        assert [await watcher.line() for _ in expected] == expected
+    assert (await admin.stats())["killed"] == 1
+    assert any("killed by an operator" in line for line in b.log)

@@ -189,3 +189,48 @@ def test_an_admin_token_equal_to_the_lock_token_is_refused_at_start(tmp_path: Pa
         f"elockd: --admin-token-file {tmp_path / 'admin'}: the same token as "
         f"--auth-token-file {tmp_path / 'token'} (every client could kill)"
     ]
+
+
+async def read_snapshot(client: LineClient) -> list[bytes]:
+    assert await client.line() == b"200 Watching\r\n"
+    lines = []
+    while (line := await client.line()) != b"SYNCED\r\n":
+        lines.append(line)
+    return lines
+
+
+async def test_watch_streams_a_snapshot_then_grants_and_frees_with_their_reasons(
+    lock_server: RunningServer, clock: trio.testing.MockClock | None
+) -> None:
+    """``watch`` on both backends: the snapshot, ``SYNCED``, then each change in
+    order, a kill's free named ``killed``."""
+    server = lock_server
+    holder = await client_with(server, LOCK_TOKEN, b"alice")
+    admin = await client_with(server, ADMIN_TOKEN)
+    assert await holder.request(b"lock jobs/a") == b"200 Acquired"
+    assert await holder.request(b"lock_shared jobs/b") == b"200 1"
+    assert await holder.request(b"lock other/c") == b"200 Acquired"
+    token = await token_of(holder, b"jobs/a")
+    # ls answers once the node shows what it granted (on a cluster, its mirror):
+    # the snapshot then shows it too.
+    assert len(await admin.listing(b"ls")) > 0
+    watcher = await client_with(server, LOCK_TOKEN)
+    await watcher.send(b"watch jobs/\n")
+    assert await read_snapshot(watcher) == [
+        b"+ jobs/a exclusive alice token=%d\r\n" % token,
+        b"+ jobs/b shared alice holders=1\r\n",
+    ]
+    assert await holder.request(b"unlock jobs/a") == b"200 Unlocked"
+    assert await holder.request(b"unlock other/c") == b"200 Unlocked"
+    assert await holder.request(b"lock jobs/d 0 ttl=0.3") == b"200 Acquired"
+    token_d = await token_of(holder, b"jobs/d")
+    assert await admin.request(b"kill jobs/b") == b"200 Killed 1"
+    with trio.fail_after(10):
+        assert await watcher.line() == b"- jobs/a exclusive alice released\r\n"
+        assert await watcher.line() == b"+ jobs/d exclusive alice token=%d\r\n" % token_d
+        assert token_d > token
+        assert await watcher.line() == b"- jobs/b shared alice holders=0 killed\r\n"
+        if clock is not None:
+            clock.jump(1)
+        assert await watcher.line() == b"- jobs/d exclusive alice expired\r\n"
+    assert await watcher.request(b"ping") == b"200 Bye"
