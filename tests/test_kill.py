@@ -1,8 +1,8 @@
 """``kill K`` and ``--admin-token-file`` over TCP (docs/protocol.md: Operators, Access).
 
-The contract tests take the ``server`` fixture (the in-memory server, its tokens
-set by this module's ``server_config``) and ``mock_clock``; they are written to run
-on ``lock_server`` as well once the cluster backend answers ``kill``.
+The contract tests take ``lock_server`` and ``clock`` (its tokens set by this
+module's ``server_config``), so they run on both backends: in memory on a mock
+clock, and on a cluster node in real time.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ async def token_of(client: LineClient, key: bytes) -> int:
 
 
 async def test_kill_frees_every_hold_and_fences_the_evicted_holder(
-    server: RunningServer, mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    lock_server: RunningServer,
+    clock: trio.testing.MockClock | None,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    server = lock_server
     caplog.set_level(logging.WARNING, logger="elockd")
     holder = await client_with(server, LOCK_TOKEN, b"stuck-job")
     waiter = await client_with(server, LOCK_TOKEN, b"next-job")
@@ -98,8 +101,9 @@ async def test_kill_frees_every_hold_and_fences_the_evicted_holder(
 
 
 async def test_kill_needs_the_admin_token(
-    server: RunningServer, mock_clock: trio.testing.MockClock
+    lock_server: RunningServer, clock: trio.testing.MockClock | None
 ) -> None:
+    server = lock_server
     holder = await client_with(server, LOCK_TOKEN)
     assert await holder.request(b"lock k") == b"200 Acquired"
     assert await holder.request(b"kill k") == b"403 Forbidden"
@@ -115,17 +119,18 @@ async def test_kill_needs_the_admin_token(
 
 
 async def test_the_clients_on_lost_fires_at_the_next_renewal_release_or_check_after_a_kill(
-    server: RunningServer, mock_clock: trio.testing.MockClock
+    lock_server: RunningServer, clock: trio.testing.MockClock | None
 ) -> None:
+    server = lock_server
     lost: list[Hold] = []
     admin = await client_with(server, ADMIN_TOKEN)
     async with Client("127.0.0.1", server.port, auth_token=LOCK_TOKEN) as client:
-        lease = await client.acquire("jobs/lease", ttl=30, on_lost=lost.append)
+        lease = await client.acquire("jobs/lease", ttl=3, on_lost=lost.append)
         plain = await client.acquire("jobs/plain", on_lost=lost.append)
         assert await admin.request(b"kill jobs/lease") == b"200 Killed 1"
         assert await admin.request(b"kill jobs/plain") == b"200 Killed 1"
         assert lost == [] and lease.held  # nothing told the client yet
-        await trio.sleep(11)  # past a third of the ttl: the renewal is refused
+        await trio.sleep(1.5)  # past a third of the ttl: the renewal is refused
         assert lost == [lease] and lease.lost
         assert lease.lost_reason == "renewal refused (403 Not Locked)"
         with pytest.raises(LockLost):
@@ -191,3 +196,48 @@ def test_an_admin_token_equal_to_the_lock_token_is_refused_at_start(tmp_path: Pa
         f"elockd: --admin-token-file {tmp_path / 'admin'}: the same token as "
         f"--auth-token-file {tmp_path / 'token'} (every client could kill)"
     ]
+
+
+async def read_snapshot(client: LineClient) -> list[bytes]:
+    assert await client.line() == b"200 Watching\r\n"
+    lines = []
+    while (line := await client.line()) != b"SYNCED\r\n":
+        lines.append(line)
+    return lines
+
+
+async def test_watch_streams_a_snapshot_then_grants_and_frees_with_their_reasons(
+    lock_server: RunningServer, clock: trio.testing.MockClock | None
+) -> None:
+    """``watch`` on both backends: the snapshot, ``SYNCED``, then each change in
+    order, a kill's free named ``killed``."""
+    server = lock_server
+    holder = await client_with(server, LOCK_TOKEN, b"alice")
+    admin = await client_with(server, ADMIN_TOKEN)
+    assert await holder.request(b"lock jobs/a") == b"200 Acquired"
+    assert await holder.request(b"lock_shared jobs/b") == b"200 1"
+    assert await holder.request(b"lock other/c") == b"200 Acquired"
+    token = await token_of(holder, b"jobs/a")
+    # ls answers once the node shows what it granted (on a cluster, its mirror):
+    # the snapshot then shows it too.
+    assert len(await admin.listing(b"ls")) > 0
+    watcher = await client_with(server, LOCK_TOKEN)
+    await watcher.send(b"watch jobs/\n")
+    assert await read_snapshot(watcher) == [
+        b"+ jobs/a exclusive alice token=%d\r\n" % token,
+        b"+ jobs/b shared alice holders=1\r\n",
+    ]
+    assert await holder.request(b"unlock jobs/a") == b"200 Unlocked"
+    assert await holder.request(b"unlock other/c") == b"200 Unlocked"
+    assert await holder.request(b"lock jobs/d 0 ttl=0.3") == b"200 Acquired"
+    token_d = await token_of(holder, b"jobs/d")
+    assert await admin.request(b"kill jobs/b") == b"200 Killed 1"
+    with trio.fail_after(10):
+        assert await watcher.line() == b"- jobs/a exclusive alice released\r\n"
+        assert await watcher.line() == b"+ jobs/d exclusive alice token=%d\r\n" % token_d
+        assert token_d > token
+        assert await watcher.line() == b"- jobs/b shared alice holders=0 killed\r\n"
+        if clock is not None:
+            clock.jump(1)
+        assert await watcher.line() == b"- jobs/d exclusive alice expired\r\n"
+    assert await watcher.request(b"ping") == b"200 Bye"

@@ -1,10 +1,11 @@
 """``ls [PREFIX] [older=S] [limit=N]`` over TCP (docs/protocol.md: Operators).
 
-The contract tests take the ``server`` fixture and ``mock_clock``: the in-memory
-server on a clock that only moves when the test moves it, so ages are exact. They
-are written for ``lock_server``/``clock`` as well (no memory-only detail), so the
-cluster backend can run them once it answers ``ls``. The engine-level tests check
-the ordered index itself: a prefix costs the keys under it, and stale keys go.
+The contract tests take ``lock_server`` and ``clock``, so they run on both
+backends: in memory on a clock that only moves when the test moves it (ages exact
+to the millisecond), and on a cluster node in real time, with times a tenth as
+long and ages compared within a tolerance (a cluster ages a hold on the wall
+clock, from its entry's write). The engine-level tests check the in-memory ordered
+index itself: a prefix costs the keys under it, and stale keys go.
 """
 
 from __future__ import annotations
@@ -26,19 +27,41 @@ async def ls(client: LineClient, request: bytes) -> list[bytes]:
     return lines[:-2]
 
 
+def unit(clock: trio.testing.MockClock | None) -> float:
+    """The test's unit of time: 1 s on the mock clock, 0.1 s in real time."""
+    return 1.0 if clock is not None else 0.1
+
+
+async def pass_time(clock: trio.testing.MockClock | None, seconds: float) -> None:
+    if clock is not None:
+        clock.jump(seconds)
+    else:
+        await trio.sleep(seconds)
+
+
+def field(line: bytes, name: bytes) -> float:
+    return float(line.split(b" " + name + b"=")[1].split(b" ")[0])
+
+
+def without_times(line: bytes) -> list[bytes]:
+    return [f for f in line.split(b" ") if not f.startswith((b"age=", b"ttl="))]
+
+
 async def test_ls_lists_exactly_the_held_and_waited_keys_under_a_prefix_with_growing_ages(
-    server: RunningServer, mock_clock: trio.testing.MockClock
+    lock_server: RunningServer, clock: trio.testing.MockClock | None
 ) -> None:
+    u = unit(clock)
+    server = lock_server
     alice, bob, carol = await server.connect(), await server.connect(), await server.connect()
     assert await alice.request(b"iam alice") == b"1 ok"
     assert await bob.request(b"iam bob") == b"1 ok"
     assert await alice.request(b"lock jobs/a") == b"200 Acquired"
     token_a = int((await alice.request(b"token jobs/a")).split()[1])
-    mock_clock.jump(10)
+    await pass_time(clock, 10 * u)
     assert await alice.request(b"lock jobs/b 0 ttl=30") == b"200 Acquired"
     token_b = int((await alice.request(b"token jobs/b")).split()[1])
     assert await bob.request(b"lock_shared jobs/c") == b"200 1"
-    mock_clock.jump(5)
+    await pass_time(clock, 5 * u)
     assert await alice.request(b"lock_shared jobs/c") == b"200 2"
     # Not under jobs/: a sibling prefix, another tree, a key only released.
     assert await bob.request(b"lock jobsx") == b"200 Acquired"
@@ -48,17 +71,32 @@ async def test_ls_lists_exactly_the_held_and_waited_keys_under_a_prefix_with_gro
     await carol.send(b"lock jobs/a 600\n")
     await until_waiting(bob, b"jobs/a")
 
-    assert await ls(bob, b"ls jobs/") == [
-        b"jobs/a exclusive=alice shared=0 waiting=1 age=15.000 token=%d ttl=-" % token_a,
-        b"jobs/b exclusive=alice shared=0 waiting=0 age=5.000 token=%d ttl=25.000" % token_b,
-        b"jobs/c exclusive=- shared=2 waiting=0 age=5.000 token=- ttl=-",
-    ]
-    mock_clock.jump(2.5)
-    assert await ls(bob, b"ls jobs/") == [
-        b"jobs/a exclusive=alice shared=0 waiting=1 age=17.500 token=%d ttl=-" % token_a,
-        b"jobs/b exclusive=alice shared=0 waiting=0 age=7.500 token=%d ttl=22.500" % token_b,
-        b"jobs/c exclusive=- shared=2 waiting=0 age=7.500 token=- ttl=-",
-    ]
+    def expected(after: float) -> list[bytes]:
+        return [
+            b"jobs/a exclusive=alice shared=0 waiting=1 age=%.3f token=%d ttl=-"
+            % ((15 + after) * u, token_a),
+            b"jobs/b exclusive=alice shared=0 waiting=0 age=%.3f token=%d ttl=%.3f"
+            % ((5 + after) * u, token_b, 30 - (5 + after) * u),
+            b"jobs/c exclusive=- shared=2 waiting=0 age=%.3f token=- ttl=-" % ((5 + after) * u),
+        ]
+
+    first = await ls(bob, b"ls jobs/")
+    await pass_time(clock, 2.5 * u)
+    again = await ls(bob, b"ls jobs/")
+    if clock is not None:
+        assert (first, again) == (expected(0), expected(2.5))
+    else:
+        # Real time: what the requests took counts too, so the ages are compared
+        # with each other (the same time went by for each) and with the waits.
+        assert [without_times(line) for line in first] == [
+            without_times(line) for line in expected(0)
+        ]
+        a, b, c = (field(line, b"age") for line in first)
+        assert 10 * u - 0.05 <= a - b <= 10 * u + 0.3
+        assert -0.05 <= b - c <= 0.3 and c >= 5 * u
+        assert 29.7 <= b + field(first[1], b"ttl") <= 30.05
+        for before, after in zip(first, again, strict=True):
+            assert field(after, b"age") - field(before, b"age") >= 2.5 * u - 0.002
     # Without a prefix: every key, in byte order.
     keys = [line.split(b" ")[0] for line in await ls(bob, b"ls")]
     assert keys == [b"jobs/a", b"jobs/b", b"jobs/c", b"jobsx", b"other/x"]
@@ -66,12 +104,13 @@ async def test_ls_lists_exactly_the_held_and_waited_keys_under_a_prefix_with_gro
 
 
 async def test_older_keeps_old_enough_keys_and_limit_cuts_with_a_more_line(
-    server: RunningServer, mock_clock: trio.testing.MockClock
+    lock_server: RunningServer, clock: trio.testing.MockClock | None
 ) -> None:
-    client = await server.connect()
+    gap = 10.0 if clock is not None else 0.5  # k/0 is 5 gaps old at the end, k/4 one
+    client = await lock_server.connect()
     for index in range(5):
         assert await client.request(b"lock k/%d" % index) == b"200 Acquired"
-        mock_clock.jump(10)  # k/0 is 50 s old at the end, k/4 10 s
+        await pass_time(clock, gap)
     assert await client.request(b"lock_shared other") == b"200 1"
 
     more = "… more".encode()
@@ -79,16 +118,26 @@ async def test_older_keeps_old_enough_keys_and_limit_cuts_with_a_more_line(
     def keys(lines: list[bytes]) -> list[bytes]:
         return [line if line == more else line.split(b" ")[0] for line in lines]
 
-    assert keys(await ls(client, b"ls k/ older=30")) == [b"k/0", b"k/1", b"k/2"]
-    assert keys(await ls(client, b"ls k/ older=30.001")) == [b"k/0", b"k/1"]
+    def older(gaps: float) -> bytes:
+        return b"older=%g" % (gaps * gap)
+
+    if clock is not None:  # exact on the mock clock: k/2 is exactly 3 gaps old
+        assert keys(await ls(client, b"ls k/ older=30")) == [b"k/0", b"k/1", b"k/2"]
+        assert keys(await ls(client, b"ls k/ older=30.001")) == [b"k/0", b"k/1"]
+    assert keys(await ls(client, b"ls k/ " + older(2.5))) == [b"k/0", b"k/1", b"k/2"]
     assert keys(await ls(client, b"ls k/ older=0")) == [b"k/%d" % i for i in range(5)]
-    # older= with no prefix: the option, not a key named "older=40".
-    assert keys(await ls(client, b"ls older=40")) == [b"k/0", b"k/1"]
+    # older= with no prefix: the option, not a key named "older=...".
+    assert keys(await ls(client, b"ls " + older(3.5))) == [b"k/0", b"k/1"]
     assert keys(await ls(client, b"ls k/ limit=2")) == [b"k/0", b"k/1", more]
-    assert keys(await ls(client, b"ls k/ older=20 limit=3")) == [b"k/0", b"k/1", b"k/2", more]
+    assert keys(await ls(client, b"ls k/ " + older(1.5) + b" limit=3")) == [
+        b"k/0",
+        b"k/1",
+        b"k/2",
+        more,
+    ]
     # Exactly N match: no "more" line.
     assert keys(await ls(client, b"ls k/ limit=5")) == [b"k/%d" % i for i in range(5)]
-    assert keys(await ls(client, b"ls k/ older=30 limit=3")) == [b"k/0", b"k/1", b"k/2"]
+    assert keys(await ls(client, b"ls k/ " + older(2.5) + b" limit=3")) == [b"k/0", b"k/1", b"k/2"]
     assert keys(await ls(client, b"ls limit=1")) == [b"k/0", more]
 
 
@@ -103,9 +152,9 @@ async def test_older_keeps_old_enough_keys_and_limit_cuts_with_a_more_line(
     ],
 )
 async def test_bad_ls_arguments_get_400(
-    server: RunningServer, request_line: bytes, reply: bytes
+    lock_server: RunningServer, request_line: bytes, reply: bytes
 ) -> None:
-    client = await server.connect()
+    client = await lock_server.connect()
     assert await client.request(request_line) == reply
     assert await client.request(b"ping") == b"200 PONG"
 

@@ -119,6 +119,10 @@ class EtcdCalls(Calls):
         self.unmapped = Calls(client)
         self.nursery: trio.Nursery | None = None
         self.backend_unavailable = 0
+        #: The latest revision a txn of this node's requests answered at: once the
+        #: mirror is there, it shows every change this node has told a client of
+        #: (``ls`` waits for that, see :mod:`.operators`).
+        self.latest = 0
         #: Called when etcd answers "lease not found" for a session's call: the
         #: node's lease expired before the node noticed (see :mod:`.lease`).
         self.on_lease_gone: Callable[[str], None] | None = None
@@ -223,7 +227,7 @@ class EtcdCalls(Calls):
         that goes through here hangs on it (the heartbeat's, on a lease of its own,
         goes through :attr:`unmapped`)."""
         try:
-            return await call
+            answer = await call
         except EtcdUnavailable as error:
             self.unavailable(str(error) or "no quorum")
             raise BackendUnavailable("backend unavailable") from error
@@ -234,6 +238,9 @@ class EtcdCalls(Calls):
             else:
                 self.unavailable(f"etcd refused a request: {error.message}")
             raise BackendUnavailable(error.message) from error
+        if isinstance(answer, TxnResult) and answer.revision > self.latest:
+            self.latest = answer.revision
+        return answer
 
     async def until_answered(self, step: Callable[[], Awaitable[T]]) -> T:
         """Retry a start-up step until etcd answers (a node may start before quorum).

@@ -27,6 +27,7 @@ from elockd.backend.cluster.mirror import QueueMirror
 from elockd.backend.cluster.records import SessionRecords
 from elockd.engine.bookkeeping import ENDED_DISCONNECTED, ENDED_GRACE_EXPIRED
 from elockd.engine.sessions import Session
+from elockd.engine.watchers import EXPIRED, ORPHANED
 from elockd.observe.logs import shown
 from elockd.observe.logthrottle import LogThrottle
 
@@ -74,7 +75,7 @@ class SessionLoss:
         if stopped is not None:
             del self.ledger.waits[session.id]
         for hold in self.ledger.holds(session):
-            self.ledger.drop(hold, now)
+            self.ledger.drop(hold, now, ORPHANED)  # etcd frees them with the lease
         if session.abort is not None:
             session.abort()
         if not session.connected:
@@ -171,7 +172,7 @@ class SessionEnds:
         ledger.orphans += len(plain) - shared
         entries = records.entries(plain)
         for hold in plain:
-            ledger.drop(hold, now)
+            ledger.drop(hold, now, ORPHANED)
         if plain and ledger.on_session_end is not None:
             ledger.on_session_end(session, len(plain) - shared, shared, why)
         if session.tag and not session.lost and not session.is_empty():
@@ -192,7 +193,7 @@ class SessionEnds:
         assert isinstance(session, ClusterSession)
         self.ledger.expired += 1
         entries = self.records.entries([hold])
-        self.ledger.drop(hold, now)
+        self.ledger.drop(hold, now, EXPIRED)
         if not session.connected and session.grace_deadline is None and session.is_empty():
             self.forget(session, entries)
         else:

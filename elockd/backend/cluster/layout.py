@@ -12,6 +12,9 @@
     heartbeat is gone may be taken over (``conn_id``) on another node;
 ``<root>meta/token_floor``
     added to every etcd revision to make a fencing token (see :mod:`.ledger`);
+``<root>meta/killed``
+    written by each ``kill K`` in the txn that deletes the holds, naming their
+    entries: so every node's watchers hear of them as ``killed`` (:mod:`.operators`);
 ``<root>t/tat/<hex key>``
     a throttle key's TAT on the wall clock and the node that wrote it
     (:func:`tat_value`), bound to no lease (a rate outlives the node that admitted);
@@ -61,6 +64,7 @@ class Layout:
         self.sessions = root + b"s/"
         self.nodes = root + b"n/"
         self.token_floor = root + b"meta/token_floor"
+        self.killed = root + b"meta/killed"
         self.throttles = root + b"t/"
         self.tats = root + b"t/tat/"
         self.throttle_lines = root + b"t/wait/"
@@ -122,6 +126,7 @@ def entry_value(
     held: bool = False,
     rank: int = 0,
     peer: bytes | None = None,
+    at: float | None = None,
 ) -> bytes:
     """An entry's value: a flag, ``h`` once a shared entry with a limit holds (``w``
     before), with ``:RANK`` unless its rank is 0 (the node's count of the entries
@@ -130,12 +135,19 @@ def entry_value(
     holder limit (0: none); its lease in seconds (0: none); the holder's address
     (``IP:PORT``, for glockd's ``dump``), and last the owner ``d`` shows, which may
     hold blanks. With an address the flag is upper case (``W``/``H``): values
-    written before it existed (``w``/``h``, no address) still read."""
+    written before it existed (``w``/``h``, no address) still read.
+
+    ``at``: the wall-clock time of the write (when the request was queued, or when
+    a shared entry was marked held), appended to the address as ``@SECONDS``: what
+    ``ls`` ages a hold from on every node (docs/cluster.md, "Operators on a
+    cluster"). Appended there because older nodes read the address as one opaque
+    word (only glockd's ``dump`` shows it), where a field of its own would shift
+    the owner they read."""
     flag = b"h" if held else b"w"
     fields = [str(limit).encode(), repr(ttl or 0.0).encode()]
     if peer is not None:
         flag = flag.upper()
-        fields.append(peer)
+        fields.append(peer if at is None else b"%s@%.3f" % (peer, at))
     if rank:
         flag += b":%d" % rank
     return b" ".join([flag, *fields, owner])
@@ -149,6 +161,7 @@ class EntryValue:
     owner: bytes
     rank: int = 0
     peer: bytes = b""  # the holder's address ("" in values written without one)
+    at: float | None = None  # wall-clock time of the write (None: not written)
 
 
 def parse_entry_value(value: bytes) -> EntryValue:
@@ -164,8 +177,20 @@ def parse_entry_value(value: bytes) -> EntryValue:
         return EntryValue(True, 1, None, b"?")
     rest = parts[3:]
     peer = rest.pop(0) if with_peer and rest else b""
+    peer, at = _split_time(peer)
     owner = rest[0] if rest else b""
-    return EntryValue(held, limit, ttl if ttl > 0 else None, owner, order, peer or owner)
+    return EntryValue(held, limit, ttl if ttl > 0 else None, owner, order, peer or owner, at)
+
+
+def _split_time(peer: bytes) -> tuple[bytes, float | None]:
+    """``IP:PORT@SECONDS`` as (address, time); an address without one as it is."""
+    address, at, seconds = peer.rpartition(b"@")
+    if not at:
+        return peer, None
+    try:
+        return address, float(seconds)
+    except ValueError:
+        return peer, None
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from elockd.backend.cluster.layout import SHARED
+from elockd.backend.cluster.layout import EXCLUSIVE, SHARED
 from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import Grant
 from elockd.engine.bookkeeping import Bookkeeping, Sizes
@@ -248,12 +248,19 @@ class Ledger(Bookkeeping):
             del table[hold.key]
         self.end_lease(hold)
 
-    def drop(self, hold: ClusterHold, now: float) -> None:
-        """Forget a hold that ended (released, orphaned, expired): it counts."""
+    def drop(self, hold: ClusterHold, now: float, why: bytes | None = None) -> None:
+        """Forget a hold that ended (released, orphaned, expired): it counts. With
+        ``why``, its entry is about to be deleted for that reason (or etcd deletes
+        it with the node's lease): what this node's watchers hear when it goes."""
         table = hold.session.shared if hold.shared else hold.session.exclusive
         if table.get(hold.key) is hold:
             del table[hold.key]
         self.hold_ended(hold, now)
+        session = hold.session
+        if why is not None and isinstance(session, ClusterSession) and session.tag:
+            kind = SHARED if hold.shared else EXCLUSIVE
+            entry = self.mirror.layout.entry(kind, hold.key, session.tag)
+            self.mirror.freeing(entry, hold.revision, why)
 
     # ----------------------------------------------------------------- timers
 

@@ -26,12 +26,15 @@ enqueued them).
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from elockd.backend.cluster.etcd.client import Event, KeyValue
 from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, EntryValue, Layout, parse_entry_value
 from elockd.backend.cluster.throttle_book import ThrottleBook
+from elockd.engine.keyindex import KeyIndex
+from elockd.engine.watchers import KILLED, ORPHANED, RELEASED
 
 QueueId = tuple[bytes, bytes]  # (kind, lock name)
 
@@ -44,7 +47,21 @@ CANCELLED = 3
 class Entry:
     """One queue entry as the mirror knows it."""
 
-    __slots__ = ("etcd_key", "held", "lease", "limit", "owner", "rank", "revision", "tag", "ttl")
+    __slots__ = (
+        "at",
+        "etcd_key",
+        "held",
+        "holding",
+        "lease",
+        "limit",
+        "owner",
+        "peer",
+        "rank",
+        "revision",
+        "since",
+        "tag",
+        "ttl",
+    )
 
     def __init__(
         self, etcd_key: bytes, revision: int, tag: int, lease: int, value: EntryValue
@@ -57,7 +74,13 @@ class Entry:
         self.held = value.held
         self.ttl = value.ttl
         self.owner = value.owner
+        self.peer = value.peer
         self.rank = value.rank
+        self.at = value.at  # wall-clock time of its write, if its node wrote one
+        #: Whether the mirror has reported it holding (see QueueMirror.on_changes),
+        #: and since when (wall clock): what ``ls`` and ``watch`` show.
+        self.holding = False
+        self.since = 0.0
 
     @property
     def holds_shared(self) -> bool:
@@ -70,20 +93,33 @@ class Queue:
     then go (no entry older than that may be granted after it: its fencing token
     would go back)."""
 
-    __slots__ = ("entries", "held_up_to", "revisions")
+    __slots__ = ("entries", "held_up_to", "holding", "revisions")
 
     def __init__(self) -> None:
         self.revisions: list[int] = []
         self.entries: dict[int, Entry] = {}
         self.held_up_to = 0
+        self.holding = 0  # entries reported holding (their ``holding`` flag)
 
     def add(self, entry: Entry) -> Entry | None:
-        """Add or replace (a shared entry marked held); the entry it replaced."""
+        """Add or replace (a shared entry marked held, an owner renamed, an entry
+        moved to another node's lease); the entry it replaced, whose reported state
+        the new one keeps."""
         old = self.entries.get(entry.revision)
         if old is None:
             insort(self.revisions, entry.revision)
+        else:
+            entry.holding, entry.since = old.holding, old.since
         self.entries[entry.revision] = entry
         return old
+
+    def head(self) -> Entry:
+        return self.entries[self.revisions[0]]
+
+    def in_order(self) -> Iterator[Entry]:
+        """The entries, oldest first."""
+        entries = self.entries
+        return (entries[revision] for revision in self.revisions)
 
     def remove(self, revision: int, *, shared: bool) -> Entry | None:
         """Take out the entry at ``revision``; the entry, or None."""
@@ -175,6 +211,13 @@ class ClusterWaiter:
         self.wake: Callable[[], None] | None = None
 
 
+#: A hold that went in a revision: its queue, its entry, the holders its queue
+#: had left then (shared), and why it went.
+Freed = tuple[QueueId, Entry, int, bytes]
+#: A hold that began in a revision: its queue, its entry, the holders after it.
+Granted = tuple[QueueId, Entry, int]
+
+
 class QueueMirror:
     """Every queue entry under a layout's root, as of :attr:`revision`."""
 
@@ -195,6 +238,22 @@ class QueueMirror:
         self.on_other = on_other  # events on keys that are not queue entries
         #: The throttle keys (``<root>t/``), fed by the same watch.
         self.throttles = ThrottleBook(layout)
+        #: The wall clock: when a hold began, as ``ls`` ages it (on every node alike).
+        self.wall: Callable[[], float] = time.time
+        #: Told of the holds that began and went in each revision, after it (frees
+        #: first); see :meth:`_settle`.
+        self.on_changes: Callable[[list[Freed], list[Granted]], None] | None = None
+        #: The lock names with an entry, in byte order (``ls``, ``watch``): kept
+        #: exact, one insertion per new name and one removal per name gone.
+        self.names = KeyIndex()
+        # What the revision being applied changed, for _settle.
+        self._changed: set[QueueId] = set()
+        self._gone: list[tuple[QueueId, Entry, int]] = []
+        self._killed_now: set[bytes] = set()  # entries a kill names in this revision
+        self._record_gone = False  # a session record was deleted in this revision
+        #: Why this node freed an entry, by (etcd key, create revision), from when
+        #: it sends the delete until the mirror sees it (:meth:`freeing`).
+        self._why: dict[tuple[bytes, int], bytes] = {}
         self._reset_counts()
 
     def _reset_counts(self) -> None:
@@ -216,12 +275,21 @@ class QueueMirror:
         self._deferred.clear()  # judged again below, on the fresh state
         self._reset_counts()
         self.throttles.clear()
+        self.names = KeyIndex()
+        self._changed.clear()
+        self._gone.clear()
         self.revision = revision
         for kv in kvs:
             if self.throttles.owns(kv.key):
                 self.throttles.put(kv)
             else:
                 self._put(kv)
+        # Who holds now, with no changes reported (a reload tells its watchers
+        # otherwise, see .operators): a hold's age counts from its entry's write.
+        self._changed.update(self.queues)
+        self._mark_holders(report=False)
+        self._changed.clear()
+        self._why = {key: why for key, why in self._why.items() if key[0] in self._located}
         for waiters in list(self._waiters.values()):
             for waiter in list(waiters):
                 self._judge(waiter)
@@ -229,11 +297,13 @@ class QueueMirror:
 
     def apply(self, events: list[Event]) -> None:
         """One watch batch, in revision order; the waiters a revision may move are
-        judged after that revision, before the next one is applied."""
+        judged after that revision, before the next one is applied, and the holds it
+        began and ended are reported then (:meth:`_settle`)."""
         touched: set[QueueId] = set()
         for event in events:
             kv = event.kv
             if kv.mod_revision > self.revision:
+                self._settle()
                 if touched or self._parked or self._deferred:
                     self._judge_touched(touched)
                 self.revision = kv.mod_revision
@@ -243,7 +313,12 @@ class QueueMirror:
                         self.throttles.delete(kv.key)
                     else:
                         self.throttles.put(kv)
-                elif self.on_other is not None:
+                    continue
+                if kv.key == self.layout.killed and event.type != "DELETE":
+                    self._killed_now.update(kv.value.split(b"\n"))
+                elif event.type == "DELETE" and kv.key.startswith(self.layout.sessions):
+                    self._record_gone = True
+                if self.on_other is not None:
                     self.on_other(event)
                 continue
             if event.type == "DELETE":
@@ -253,11 +328,109 @@ class QueueMirror:
                     self._unindex(kv.key)
                     self._remove(queue_id, revision)
                     touched.add(queue_id)
+                    self._changed.add(queue_id)  # its next entry may hold now
             else:
                 put_in = self._put(kv)
-                if put_in is not None and kv.mod_revision != kv.create_revision:
-                    touched.add(put_in)  # a shared entry marked held
+                if put_in is not None:
+                    self._changed.add(put_in)
+                    if kv.mod_revision != kv.create_revision:
+                        touched.add(put_in)  # a shared entry marked held
+        self._settle()
         self._judge_touched(touched)
+
+    # ------------------------------------------------------- holds, reported
+
+    def freeing(self, etcd_key: bytes, revision: int, why: bytes) -> None:
+        """This node is about to delete the entry created at ``revision``: when the
+        mirror sees it go, it went for ``why`` (released, expired, orphaned)."""
+        self._why[(etcd_key, revision)] = why
+
+    def why(self, entry: Entry) -> bytes:
+        """Why a hold went, as this node can tell: named by a ``kill`` in the same
+        revision (on every node); else as this node said when it freed it; else
+        (another node freed it) ``orphaned`` when a session record went in the
+        same revision (a session ended, or a node's lease ran out), ``released``
+        otherwise (docs/cluster.md, "Operators on a cluster")."""
+        why = self._why.pop((entry.etcd_key, entry.revision), None)
+        if entry.etcd_key in self._killed_now:
+            return KILLED
+        if why is not None:
+            return why
+        return ORPHANED if self._record_gone else RELEASED
+
+    def _settle(self) -> None:
+        """The revision just applied is complete: report the holds it ended (in the
+        order their deletes came) and those it began."""
+        if not self._changed and not self._gone:
+            self._killed_now.clear()
+            self._record_gone = False
+            return
+        freed = [(queue_id, entry, left, self.why(entry)) for queue_id, entry, left in self._gone]
+        self._gone.clear()
+        self._killed_now.clear()
+        self._record_gone = False
+        granted = self._mark_holders(report=True)
+        if self.on_changes is not None and (freed or granted):
+            self.on_changes(freed, granted)
+
+    def _mark_holders(self, *, report: bool) -> list[Granted]:
+        """Flag the entries of the changed queues that hold now and did not: the
+        head of an exclusive queue once it heads every queue of its request
+        (``mlock``), a shared entry without a limit or marked held. ``since`` is
+        the time of the entry's write when that write made it hold (or when the
+        mirror was loaded), else now."""
+        granted: list[Granted] = []
+        revision, now = self.revision, self.wall()
+        changed, self._changed = self._changed, set()
+        seen: set[QueueId] = set()
+        for queue_id in sorted(changed):
+            for found in self._holds_in(queue_id, seen):
+                queue_id_of, entry = found
+                queue = self.queues[queue_id_of]
+                entry.holding = True
+                written_now = not report or entry.revision == revision or entry.held
+                entry.since = entry.at if written_now and entry.at is not None else now
+                queue.holding += 1
+                granted.append((queue_id_of, entry, queue.holding))
+        # In key order (an mlock's keys, as one server grants them), each queue's
+        # holders counting up.
+        granted.sort(key=lambda grant: (grant[0][1], grant[0][0], grant[2]))
+        return granted
+
+    def _holds_in(self, queue_id: QueueId, seen: set[QueueId]) -> Iterator[tuple[QueueId, Entry]]:
+        """The entries of ``queue_id`` that hold and are not flagged yet (and, for an
+        exclusive head that waited for other queues of its request, theirs)."""
+        if queue_id in seen:
+            return
+        seen.add(queue_id)
+        queue = self.queues.get(queue_id)
+        if queue is None:
+            return
+        if queue_id[0] == SHARED:
+            for entry in queue.in_order():
+                if entry.holds_shared and not entry.holding:
+                    yield queue_id, entry
+            return
+        head = queue.head()
+        if head.holding:
+            return
+        siblings = self._siblings(head, queue_id)
+        if all(self.queues[other].head() is entry for other, entry in siblings):
+            yield queue_id, head
+            for other, _ in siblings:
+                yield from self._holds_in(other, seen)
+
+    def _siblings(self, entry: Entry, queue_id: QueueId) -> list[tuple[QueueId, Entry]]:
+        """The other entries of an exclusive entry's request: the session's entries
+        in other exclusive queues created at the same revision (an ``mlock``)."""
+        found = []
+        for etcd_key, revision in self.by_tag.get(entry.tag, {}).items():
+            if revision != entry.revision or etcd_key == entry.etcd_key:
+                continue
+            where = self._located.get(etcd_key)
+            if where is not None and where[0][0] == EXCLUSIVE and where[0] != queue_id:
+                found.append((where[0], self.queues[where[0]].entries[revision]))
+        return found
 
     def _judge_touched(self, touched: set[QueueId]) -> None:
         for queue_id in touched:
@@ -301,6 +474,8 @@ class QueueMirror:
         queue = self.queues.get(name.queue)
         if queue is None:
             queue = self.queues[name.queue] = Queue()
+            if (EXCLUSIVE if shared else SHARED, name.key) not in self.queues:
+                self.names.add(name.key, len(self.names))
             if shared:
                 self.shared_queues += 1
             else:
@@ -320,6 +495,11 @@ class QueueMirror:
         shared = queue_id[0] == SHARED
         entry = queue.remove(revision, shared=shared)
         if entry is not None:
+            if entry.holding:
+                queue.holding -= 1
+                self._gone.append((queue_id, entry, queue.holding))
+            else:
+                self._why.pop((entry.etcd_key, entry.revision), None)
             if shared:
                 self.shared_entries -= 1
                 self.shared_holding -= entry.holds_shared
@@ -327,6 +507,9 @@ class QueueMirror:
                 self.exclusive_entries -= 1
         if not queue.entries:
             del self.queues[queue_id]
+            if (EXCLUSIVE if shared else SHARED, queue_id[1]) not in self.queues:
+                self.names.ordered.remove(queue_id[1])
+                self.names.members.discard(queue_id[1])
             if shared:
                 self.shared_queues -= 1
             else:

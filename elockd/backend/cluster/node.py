@@ -43,6 +43,7 @@ from elockd.backend.cluster.layout import Layout
 from elockd.backend.cluster.lease import NodeLease
 from elockd.backend.cluster.ledger import ClusterSession, Ledger
 from elockd.backend.cluster.mirror import QueueMirror
+from elockd.backend.cluster.operators import ClusterOperators
 from elockd.backend.cluster.records import SessionRecords
 from elockd.backend.interface import BackendUnavailable
 
@@ -86,6 +87,12 @@ class ClusterNode:
         #: Loops of other parts that run beside the node's own once it has joined
         #: (the throttles' sweep).
         self.loops: list[Callable[[], Awaitable[None]]] = []
+        #: ``ls``/``watch``/``kill``: told when the mirror was loaded afresh.
+        self.operators: ClusterOperators | None = None
+        #: A predecessor's watchers had every event up to this revision: the mirror
+        #: is loaded as of it and the watch replays from just after it, so they
+        #: miss nothing and get nothing twice (docs/cluster.md).
+        self.replay_from = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Join the cluster, then keep leases alive and the mirror current until
@@ -173,12 +180,39 @@ class ClusterNode:
         return self._node_lease
 
     async def _load_mirror(self) -> None:
-        """The queues and the throttle keys, read at one revision (one txn)."""
+        """The queues and the throttle keys, read at one revision (one txn): the
+        current one, or the one a predecessor's watchers had reached when they came
+        along (:attr:`replay_from`). Then every hold of the books whose entry is not
+        there is dropped (freed while nobody here watched)."""
+        at = self.replay_from if self.ledger.watchers.count else 0
+        try:
+            await self._read_mirror(at)
+        except EtcdError as error:
+            if not at:
+                raise
+            log.warning(
+                "cannot replay the watch from revision %d (%s): the watchers that "
+                "came along are closed",
+                at,
+                error.message,
+            )
+            await self._read_mirror(0)
+            if self.operators is not None:
+                self.operators.overflow_all()
+        self.replay_from = 0
+        if self.operators is not None:
+            self.operators.drop_vanished()
+
+    async def _read_mirror(self, at: int) -> None:
         queues, throttles = self.layout.queues, self.layout.throttles
         result = await self.calls.unmapped.txn(
-            [], [range_op(queues, prefix_end(queues)), range_op(throttles, prefix_end(throttles))]
+            [],
+            [
+                range_op(queues, prefix_end(queues), revision=at),
+                range_op(throttles, prefix_end(throttles), revision=at),
+            ],
         )
-        self.mirror.load(result.revision, [*result.kvs(0), *result.kvs(1)])
+        self.mirror.load(at or result.revision, [*result.kvs(0), *result.kvs(1)])
 
     # ------------------------------------------------------------------ loops
 
@@ -196,6 +230,8 @@ class ClusterNode:
                     self.mirror.apply(events)
             except WatchCompacted:
                 log.warning("watch fell behind etcd's compaction: reloading every queue")
+                if self.operators is not None:
+                    self.operators.overflow_all()  # they would miss what was compacted
                 while True:
                     try:
                         await self._load_mirror()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 
 import trio
@@ -60,6 +61,7 @@ from elockd.backend.cluster.records import SessionRecords
 from elockd.backend.cluster.tokens import RankCounter, rank_of
 from elockd.backend.interface import BackendUnavailable, Grant, Holders, QueueFull
 from elockd.engine.sessions import Session
+from elockd.engine.watchers import RELEASED
 
 log = logging.getLogger("elockd.cluster")
 
@@ -174,7 +176,8 @@ class LockRecipe:
         lease = self.lease.current()
         ranks, ranks_taken = self.ranks.take(keys)
         owner, peer = session.owner, session.peer
-        values = [entry_value(limit, ttl, owner, rank=ranks[k], peer=peer) for k in keys]
+        at = time.time()  # what ls ages the hold from, on every node
+        values = [entry_value(limit, ttl, owner, rank=ranks[k], peer=peer, at=at) for k in keys]
         # Anything of ours created at or before this revision is not this request's:
         # a stray the sweep may be deleting right now (see the node's sweep).
         start = self.mirror.revision
@@ -437,7 +440,7 @@ class LockRecipe:
         """Record in etcd that a shared entry with a limit now holds (see
         :mod:`.mirror`): False when the entry is gone (the session was lost) or the
         session is another node's now (the put would move the entry back here)."""
-        value = entry_value(limit, ttl, session.owner, held=True, peer=session.peer)
+        value = entry_value(limit, ttl, session.owner, held=True, peer=session.peer, at=time.time())
         self.lease.confirm(session)
         lease = self.lease.current()
         result = await self.calls.txn(
@@ -466,7 +469,7 @@ class LockRecipe:
             reads.append(range_op(prefix, prefix_end(prefix), sort_by_create=True))
         # Let go here first: if etcd does not answer, the stray sweep frees the entry
         # once it does (the client was asked to release, not to keep holding).
-        self.ledger.drop(hold, trio.current_time())
+        self.ledger.drop(hold, trio.current_time(), RELEASED)
         result = await self.calls.txn(
             [self.records.record_guard(session)],
             [
@@ -488,7 +491,7 @@ class LockRecipe:
         entries = self.records.entries(holds)
         now = trio.current_time()
         for hold in holds:
-            self.ledger.drop(hold, now)
+            self.ledger.drop(hold, now, RELEASED)
         await self.records.delete_entries(session, entries)
 
     def renew(self, session: Session, key: bytes, ttl: float) -> bool:
@@ -530,6 +533,7 @@ class LockRecipe:
                     held=entry.held,
                     rank=entry.rank,
                     peer=session.peer,
+                    at=entry.at,
                 )
                 put = put_op(etcd_key, value, lease)
                 revision = found[0].create_revision

@@ -47,6 +47,7 @@ from elockd.backend.cluster.ledger import (
 )
 from elockd.backend.cluster.mirror import QueueMirror
 from elockd.backend.cluster.node import ClusterNode
+from elockd.backend.cluster.operators import ClusterOperators
 from elockd.backend.cluster.recipe import LockRecipe
 from elockd.backend.cluster.records import SessionRecords
 from elockd.backend.cluster.state import ClusterDump, ClusterRestore, WaitingRequest
@@ -120,8 +121,10 @@ class ClusterLockSpace(Backend):
             max_throttles=max_throttles,
             max_waiters=max_waiters,
         )
+        self.operators = operators = ClusterOperators(calls, ledger, layout, mirror)
         self.node = ClusterNode(calls, ledger, layout, mirror, lease, records, ends, node_id)
         self.node.loops.append(self.throttles.run)
+        self.node.operators = operators
 
     @property
     def books(self) -> Ledger:
@@ -153,14 +156,22 @@ class ClusterLockSpace(Backend):
 
         return Later(run)
 
+    # Operators (docs/cluster.md, "Operators on a cluster"): ls and watch read the
+    # mirror; kill is one etcd txn.
+
     def listing(
         self, prefix: bytes, now: float, *, older: float | None, limit: int | None
-    ) -> KeyRows:
-        # Not yet on a cluster (issue 28): refused as etcd without quorum would be.
-        raise BackendUnavailable("ls is not implemented on a cluster yet")
+    ) -> Later[KeyRows]:
+        return Later(lambda: self.operators.listing(prefix, older, limit))
 
-    def kill(self, key: bytes, now: float) -> list[Evicted]:
-        raise BackendUnavailable("kill is not implemented on a cluster yet")
+    def kill(self, key: bytes, now: float) -> Later[list[Evicted]]:
+        return Later(lambda: self.operators.kill(key))
+
+    def watch_keys(self, prefix: bytes) -> list[bytes]:
+        return self.operators.watch_keys(prefix)
+
+    def watch_lines(self, key: bytes) -> list[bytes]:
+        return self.operators.watch_lines(key)
 
     def rename(self, session: Session, name: bytes | None) -> Later[None]:
         return Later(lambda: self.recipe.rename(_ours(session), name))
@@ -302,12 +313,14 @@ class ClusterLockSpace(Backend):
 
     def freeze(self) -> None:
         self.calls.freeze()
+        self.operators.freeze()
 
     async def settle(self) -> None:
         await self.calls.settled()
 
     def thaw(self) -> None:
         self.calls.thaw()
+        self.operators.thaw()
         # What the watch skipped while frozen: sessions claimed elsewhere meanwhile.
         self.calls.spawn(self.records.recheck_records, "recheck session records")
 

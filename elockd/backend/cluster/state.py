@@ -33,6 +33,7 @@ from elockd.backend.cluster.ledger import (
     ThrottleWait,
 )
 from elockd.backend.cluster.node import ClusterNode
+from elockd.backend.cluster.operators import ClusterOperators
 from elockd.backend.cluster.throttle import ClusterThrottles
 from elockd.backend.interface import REFUSALS, Grant, Later
 from elockd.backend.state import (
@@ -62,6 +63,7 @@ class ClusterLockSpace(Protocol):
     ledger: Ledger
     node: ClusterNode
     node_id: str
+    operators: ClusterOperators
     session_ttl: int
 
     def adopt_identity(self, node_id: str, heartbeat_lease: int, sessions_lease: int) -> None: ...
@@ -128,6 +130,10 @@ class ClusterDump:
             "expired": ledger.expired,
             "timeouts": ledger.timeouts,
             "sessions_lost": ledger.sessions_lost,
+            "killed": ledger.killed,
+            # The revision every watcher's events reach (the moved connections carry
+            # them): a successor with watchers replays from just after it.
+            "watched_revision": space.operators.frozen_at,
             # Tags of sessions another node took over: their entries are that node's
             # to move, and the successor's sweep must leave them alone as this one
             # would.
@@ -278,6 +284,8 @@ class ClusterRestore(RecordReader):
         ledger.expired = record["expired"]
         ledger.timeouts = record["timeouts"]
         ledger.sessions_lost = record["sessions_lost"]
+        ledger.killed = record.get("killed", 0)  # absent before kill
+        space.node.replay_from = record.get("watched_revision", 0)  # absent before watch
         space.calls.backend_unavailable = record.get("backend_unavailable", 0)
         # Absent from an elockd before 2026-11-25: nothing to leave alone then.
         ledger.moved_tags = {tag: self.now + left for tag, left in record.get("moved_tags", [])}

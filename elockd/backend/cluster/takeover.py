@@ -34,7 +34,8 @@ from elockd.backend.cluster.layout import (
 )
 from elockd.backend.cluster.lease import NodeLease
 from elockd.backend.cluster.ledger import ClusterSession, Ledger
-from elockd.backend.cluster.mirror import ClusterWaiter, QueueMirror, granted_kvs
+from elockd.backend.cluster.mirror import QueueMirror, granted_kvs
+from elockd.backend.cluster.operators import mirror_reaches
 from elockd.backend.cluster.records import SessionRecords
 from elockd.backend.interface import BackendUnavailable
 
@@ -227,15 +228,5 @@ class Takeover:
 
     async def _mirror_reaches(self, revision: int) -> None:
         """Wait until the mirror has seen ``revision``: it then knows every entry
-        created before it. A waiter on no queue is what the mirror wakes then."""
-        reached = trio.Event()
-        waiter = ClusterWaiter([], 0)
-        waiter.revision, waiter.wake = revision, reached.set
-        self.mirror.add_waiter(waiter)
-        try:
-            with trio.move_on_after(self.calls.deadline):
-                await reached.wait()
-                return
-        finally:
-            self.mirror.remove_waiter(waiter)
-        raise BackendUnavailable("this node's watch is behind etcd")
+        created before it."""
+        await mirror_reaches(self.mirror, revision, self.calls.deadline)

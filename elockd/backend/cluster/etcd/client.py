@@ -104,8 +104,11 @@ def range_op(
     limit: int = 0,
     sort_by_create: bool = False,
     keys_only: bool = False,
+    revision: int = 0,
 ) -> dict[str, Any]:
+    """A read; ``revision``: as etcd had it then (0: now), if not compacted away."""
     body = _with_range({"key": _b64(key)}, range_end)
+    body |= {"revision": str(revision)} if revision else {}
     body |= {"count_only": True} if count_only else {}
     body |= {"keys_only": True} if keys_only else {}
     body |= {"limit": str(limit)} if limit else {}
@@ -136,8 +139,12 @@ def compare_create(
     return _with_range(_compare(key, op, "CREATE", "create_revision", str(revision)), range_end)
 
 
-def compare_mod(key: bytes, op: str, revision: int) -> dict[str, Any]:
-    return _compare(key, op, "MOD", "mod_revision", str(revision))
+def compare_mod(
+    key: bytes, op: str, revision: int, range_end: bytes | None = None
+) -> dict[str, Any]:
+    """With ``range_end``, it must hold for every key in the range (and holds for
+    an empty one: etcd compares a missing key as mod revision 0)."""
+    return _with_range(_compare(key, op, "MOD", "mod_revision", str(revision)), range_end)
 
 
 def compare_lease(key: bytes, op: str, lease: int) -> dict[str, Any]:

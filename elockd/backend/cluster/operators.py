@@ -1,0 +1,331 @@
+"""``ls``, ``watch`` and ``kill`` on a cluster node (docs/cluster.md, "Operators on
+a cluster").
+
+``ls`` and ``watch`` read the node's mirror of the queues (:mod:`.mirror`) and cost
+etcd nothing. The mirror says, after each revision its watch brings, which entries
+began and stopped holding in it (every node sees the same revisions in the same
+order), and this module turns that into:
+
+* the ``+``/``-`` lines of this node's watchers (``books.watchers``), in etcd's
+  revision order, whichever node the change came through;
+* this node's own holds that etcd freed under it (an operator's ``kill`` through
+  any node): dropped from the books and logged, so that the evicted session sees
+  the key as not held (``token`` and ``unlock`` answer 403);
+* ``ls`` rows and the snapshot a new watcher starts with.
+
+While a hand-over copies the books (``calls.frozen``), the lines are held back and
+the books are left alone: the successor goes on from the revision the watchers had
+reached (:meth:`ClusterOperators.freeze`), and a failed hand-over sends the lines
+held back and drops what was freed meanwhile (:meth:`ClusterOperators.thaw`).
+
+``kill K`` is one etcd txn (:meth:`ClusterOperators.kill`): it deletes K's holding
+entries, each guarded by its create revision, and writes ``<root>meta/killed``
+naming them, so that every node's watchers hear ``killed``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from elockd.backend.cluster.calls import EtcdCalls
+from elockd.backend.cluster.etcd.client import (
+    compare_create,
+    compare_mod,
+    delete_op,
+    prefix_end,
+    put_op,
+)
+from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, Layout
+from elockd.backend.cluster.ledger import ClusterHold, Ledger
+from elockd.backend.cluster.mirror import (
+    ClusterWaiter,
+    Entry,
+    Freed,
+    Granted,
+    Queue,
+    QueueMirror,
+)
+from elockd.backend.cluster.tokens import fencing_token
+from elockd.backend.interface import BackendUnavailable, Evicted, KeyRow, KeyRows
+from elockd.engine.watchers import KILLED, free_line, grant_line
+from elockd.observe.logs import shown
+from elockd.observe.logthrottle import LogThrottle
+
+log = logging.getLogger("elockd.cluster")
+#: A node resumed from a pause past its lease sees every entry of it go at once:
+#: one line per 10 s, with a count.
+evicted_log = LogThrottle(log, logging.WARNING, 10.0)
+
+#: Holds one ``kill`` txn deletes: with their compares and the marker, well within
+#: etcd's 128 operations per txn (--max-txn-ops). More go in further txns.
+KILLS_PER_TXN = 100
+#: Attempts of a ``kill`` whose key keeps changing under it before it fails closed.
+KILL_TRIES = 16
+
+
+class ClusterOperators:
+    """The operators' view of a cluster node: see the module docstring."""
+
+    def __init__(self, calls: EtcdCalls, ledger: Ledger, layout: Layout, mirror: QueueMirror):
+        self.calls, self.ledger, self.layout, self.mirror = calls, ledger, layout, mirror
+        mirror.on_changes = self.changed
+        #: Lines held back while a hand-over copies the books: (key, line).
+        self.held_back: list[tuple[bytes, bytes]] = []
+        #: The revision this node's watchers had reached when the books were frozen:
+        #: a successor replays from just after it (see .state).
+        self.frozen_at = 0
+
+    # ------------------------------------------------------------- changes
+
+    def changed(self, freed: list[Freed], granted: list[Granted]) -> None:
+        """The holds a revision ended and began (the mirror's hook)."""
+        if not self.calls.frozen:
+            for queue_id, entry, _, why in freed:
+                self._evicted(queue_id[0], queue_id[1], entry, why)
+        watchers = self.ledger.watchers
+        if not watchers.active:
+            return
+        lines: list[tuple[bytes, bytes]] = []
+        for (kind, key), entry, left, why in freed:
+            if watchers.matching(key) is not None:
+                lines.append((key, free_line(key, entry.owner, kind == SHARED, left, why)))
+        for (kind, key), entry, holders in granted:
+            if watchers.matching(key) is not None:
+                number = holders if kind == SHARED else self.token(entry)
+                lines.append((key, grant_line(key, entry.owner, kind == SHARED, number)))
+        if self.calls.frozen:
+            self.held_back.extend(lines)
+        else:
+            self._send(lines)
+
+    def _send(self, lines: list[tuple[bytes, bytes]]) -> None:
+        watchers = self.ledger.watchers
+        for key, line in lines:
+            matching = watchers.matching(key)
+            if matching is not None:
+                watchers.send(matching, key, line)
+
+    def _evicted(self, kind: bytes, key: bytes, entry: Entry, why: bytes) -> None:
+        """A hold of this node's books whose entry etcd deleted without this node
+        freeing it: drop it, so the session sees the key as not held."""
+        session = self.ledger.by_tag.get(entry.tag)
+        if session is None:
+            return
+        hold = (session.shared if kind == SHARED else session.exclusive).get(key)
+        if not isinstance(hold, ClusterHold) or hold.revision != entry.revision:
+            return
+        self.ledger.drop(hold, trio.current_time())
+        evicted_log(
+            "hold on %r of %s (tag %d) freed in etcd while held here (%s): the session "
+            "no longer holds it",
+            key[:200],
+            shown(session.peer),
+            session.tag,
+            "killed by an operator" if why == KILLED else f"{why.decode()} elsewhere",
+        )
+
+    def drop_vanished(self) -> None:
+        """After the mirror was loaded afresh (or a hand-over froze it): drop every
+        hold of this node whose entry the mirror, at its revision, no longer has:
+        freed while nobody here was told (a kill, while the watch fell behind)."""
+        mirror, now = self.mirror, trio.current_time()
+        for session in list(self.ledger.sessions.values()):
+            if not session.tag or session.lost:
+                continue
+            for hold in self.ledger.holds(session):
+                if hold.revision > mirror.revision:
+                    continue  # granted from a txn the mirror has not reached yet
+                kind = SHARED if hold.shared else EXCLUSIVE
+                entry = mirror.entry(self.layout.entry(kind, hold.key, session.tag))
+                if entry is None or entry.revision != hold.revision:
+                    self.ledger.drop(hold, now)
+                    evicted_log(
+                        "hold on %r of %s (tag %d) gone from etcd while the node was "
+                        "not watching: the session no longer holds it",
+                        hold.key[:200],
+                        shown(session.peer),
+                        session.tag,
+                    )
+
+    # ------------------------------------------------------------ hand-over
+
+    def freeze(self) -> None:
+        """A hand-over copies the books: hold the watchers' lines back from here."""
+        self.frozen_at = self.mirror.revision
+        self.held_back = []
+
+    def thaw(self) -> None:
+        """The hand-over failed: send what was held back, drop what went meanwhile."""
+        held, self.held_back = self.held_back, []
+        self._send(held)
+        self.drop_vanished()
+
+    def overflow_all(self) -> None:
+        """Every watcher missed events (the watch fell behind etcd's compaction, or a
+        successor could not replay from its predecessor's revision): each gets
+        ``OVERFLOW`` and is closed, as one that fell behind would be."""
+        watchers = self.ledger.watchers
+        for watcher in watchers.all():
+            watcher.overflowed = True
+            watcher.lines = []
+            watchers.remove(watcher)
+            if watcher.wake is not None:
+                watcher.wake()
+
+    # ------------------------------------------------------------- reading
+
+    def token(self, entry: Entry) -> int:
+        return fencing_token(self.ledger.token_floor, entry.revision, entry.rank)
+
+    def _queues(self, key: bytes) -> tuple[Queue | None, Queue | None]:
+        queues = self.mirror.queues
+        return queues.get((EXCLUSIVE, key)), queues.get((SHARED, key))
+
+    def held(self, key: bytes) -> list[tuple[bytes, Entry]]:
+        """(kind, entry) of every hold on ``key`` the mirror shows: the exclusive
+        holder first, then the shared holders, oldest first."""
+        exclusive, shared = self._queues(key)
+        found: list[tuple[bytes, Entry]] = []
+        if exclusive is not None and exclusive.head().holding:
+            found.append((EXCLUSIVE, exclusive.head()))
+        if shared is not None and shared.holding:
+            found.extend((SHARED, e) for e in shared.in_order() if e.holding)
+        return found
+
+    def watch_keys(self, prefix: bytes) -> list[bytes]:
+        """The keys under ``prefix`` with a hold, in byte order (O(keys under it))."""
+        return [
+            key
+            for batch in self.mirror.names.starting_with(prefix)
+            for key in batch
+            if self.held(key)
+        ]
+
+    def watch_lines(self, key: bytes) -> list[bytes]:
+        lines = []
+        count = 0
+        for kind, entry in self.held(key):
+            if kind == SHARED:
+                count += 1
+                lines.append(grant_line(key, entry.owner, True, count))
+            else:
+                lines.append(grant_line(key, entry.owner, False, self.token(entry)))
+        return lines
+
+    async def listing(self, prefix: bytes, older: float | None, limit: int | None) -> KeyRows:
+        """``ls``, once the mirror shows every change this node has told a client
+        of (a lock granted here a moment ago is listed)."""
+        await self.reached(self.calls.latest)
+        return self._rows(prefix, older, limit)
+
+    def _rows(self, prefix: bytes, older: float | None, limit: int | None) -> KeyRows:
+        left = -1 if limit is None else limit
+        for batch in self.mirror.names.starting_with(prefix):
+            listed = False
+            for key in batch:
+                row = self.row(key)
+                if row is None or (older is not None and (row.age is None or row.age < older)):
+                    continue
+                listed = True
+                yield row
+                left -= 1
+                if left == 0:
+                    return
+            if not listed:
+                yield None
+
+    def row(self, key: bytes) -> KeyRow | None:
+        """The ``ls`` row of ``key`` as the mirror has it (None: no entry). The age is
+        on the wall clock, from when each hold began (see :mod:`.mirror`); the
+        lease left only for this node's own holds, as ``info`` shows it."""
+        exclusive, shared = self._queues(key)
+        if exclusive is None and shared is None:
+            return None
+        row = KeyRow(key, None, 0, 0, None, None, None)
+        since: list[float] = []
+        if exclusive is not None:
+            head = exclusive.head()
+            row.waiting = len(exclusive.revisions)
+            if head.holding:
+                row.waiting -= 1
+                row.owner, row.token = head.owner, self.token(head)
+                since.append(head.since)
+                local = self.ledger.local_hold(head.tag, key)
+                deadline = None if local is None else local.lease_deadline
+                if deadline is not None and local is not None and local.revision == head.revision:
+                    row.ttl = max(0.0, deadline - trio.current_time())
+        if shared is not None:
+            row.shared = shared.holding
+            row.waiting += len(shared.revisions) - shared.holding
+            if shared.holding:
+                since.append(min(e.since for e in shared.entries.values() if e.holding))
+        if since:
+            row.age = max(0.0, self.mirror.wall() - min(since))
+        return row
+
+    async def reached(self, revision: int) -> None:
+        await mirror_reaches(self.mirror, revision, self.calls.deadline)
+
+    # ---------------------------------------------------------------- kill
+
+    async def kill(self, key: bytes) -> list[Evicted]:
+        """Delete every hold on ``key`` in one txn (a hundred at a time beyond that):
+        the holding entries the mirror shows, each only if still the one created
+        at its revision, and only if no entry of the key was written since the
+        mirror's revision (else the mirror is let catch up and it is tried again).
+        A key with no hold costs one read-only txn, which proves it. Answers once
+        this node's mirror has the deletes: its own watchers and holders have heard
+        of them by then."""
+        queues = [self.layout.queue_prefix(kind, key) for kind in (EXCLUSIVE, SHARED)]
+        done: dict[tuple[bytes, int], tuple[bytes, Entry]] = {}
+        last = failures = 0
+        while True:
+            held = [(k, e) for k, e in self.held(key) if (e.etcd_key, e.revision) not in done]
+            chunk = held[:KILLS_PER_TXN]
+            since = self.mirror.revision
+            compares = [compare_mod(q, "<", since + 1, prefix_end(q)) for q in queues]
+            compares += [compare_create(e.etcd_key, "==", e.revision) for _, e in chunk]
+            ops = []
+            if chunk:
+                named = b"\n".join(e.etcd_key for _, e in chunk)
+                ops = [put_op(self.layout.killed, named)]
+                ops += [delete_op(e.etcd_key) for _, e in chunk]
+            result = await self.calls.txn(compares, ops)
+            if result.succeeded:
+                last = result.revision
+                done.update(((e.etcd_key, e.revision), (k, e)) for k, e in chunk)
+                if len(held) <= KILLS_PER_TXN:
+                    break
+                continue
+            failures += 1
+            if failures == KILL_TRIES:
+                raise BackendUnavailable("kill: the key's holds kept changing")
+            await self.reached(result.revision)
+        self.ledger.killed += len(done)
+        if done:
+            await self.reached(last)
+        return [
+            Evicted(e.owner, e.peer, kind == SHARED, 0 if kind == SHARED else self.token(e))
+            for kind, e in done.values()
+        ]
+
+
+async def mirror_reaches(mirror: QueueMirror, revision: int, timeout: float) -> None:
+    """Return once ``mirror`` has applied ``revision`` (at once if it has), or fail
+    closed after ``timeout`` (``--etcd-timeout``). A waiter on no queue is what the
+    mirror wakes then."""
+    if mirror.revision >= revision:
+        return
+    reached = trio.Event()
+    waiter = ClusterWaiter([], 0)
+    waiter.revision, waiter.wake = revision, reached.set
+    mirror.add_waiter(waiter)
+    try:
+        with trio.move_on_after(timeout):
+            await reached.wait()
+            return
+    finally:
+        mirror.remove_waiter(waiter)
+    raise BackendUnavailable("this node's watch is behind etcd")
