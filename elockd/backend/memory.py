@@ -31,6 +31,7 @@ from elockd.backend.interface import (
     Result,
 )
 from elockd.backend.memory_state import MemoryDump, MemoryRestore
+from elockd.backend.rows import rows_in_batches
 from elockd.engine.bookkeeping import Sizes
 from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.locks import LockEngine
@@ -180,24 +181,8 @@ class MemoryBackend(LockEngine, Backend):
         batch that yields no row yields None, so that the reply lets other
         connections run."""
         self.index.ensure(lambda: itertools.chain(self.exclusive, self.shared))
-        return self._rows(prefix, now, older, limit)
-
-    def _rows(self, prefix: bytes, now: float, older: float | None, limit: int | None) -> KeyRows:
-        left = -1 if limit is None else limit
-        row_for = self._row_for
-        for batch in self.index.starting_with(prefix):
-            listed = False
-            for key in batch:
-                row = row_for(key, now)
-                if row is None or (older is not None and (row.age is None or row.age < older)):
-                    continue
-                listed = True
-                yield row
-                left -= 1
-                if left == 0:
-                    return
-            if not listed:
-                yield None
+        batches = self.index.starting_with(prefix)
+        return rows_in_batches(batches, lambda key: self._row_for(key, now), older, limit)
 
     def _row_for(self, key: bytes, now: float) -> KeyRow | None:
         """The ``ls`` row of ``key`` as the tables have it now (None: not live)."""

@@ -49,6 +49,7 @@ from elockd.backend.cluster.mirror import (
 )
 from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import BackendUnavailable, Evicted, KeyRow, KeyRows
+from elockd.backend.rows import rows_in_batches
 from elockd.engine.watchers import KILLED, free_line, grant_line
 from elockd.observe.logs import shown
 from elockd.observe.logthrottle import LogThrottle
@@ -218,23 +219,7 @@ class ClusterOperators:
         """``ls``, once the mirror shows every change this node has told a client
         of (a lock granted here a moment ago is listed)."""
         await self.reached(self.calls.latest)
-        return self._rows(prefix, older, limit)
-
-    def _rows(self, prefix: bytes, older: float | None, limit: int | None) -> KeyRows:
-        left = -1 if limit is None else limit
-        for batch in self.mirror.names.starting_with(prefix):
-            listed = False
-            for key in batch:
-                row = self.row(key)
-                if row is None or (older is not None and (row.age is None or row.age < older)):
-                    continue
-                listed = True
-                yield row
-                left -= 1
-                if left == 0:
-                    return
-            if not listed:
-                yield None
+        return rows_in_batches(self.mirror.names.starting_with(prefix), self.row, older, limit)
 
     def row(self, key: bytes) -> KeyRow | None:
         """The ``ls`` row of ``key`` as the mirror has it (None: no entry). The age is
