@@ -53,8 +53,7 @@ def run_ls(args: argparse.Namespace, options: dict[str, Any]) -> int:
             say(f"more keys than --limit {args.limit}: the listing was cut")
         return 0
     caption = f"… more (cut at --limit {args.limit})" if more else None
-    # Into a pipe or a file nothing wraps: a long key stays on its row for grep.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 1 << 16)
+    console = console_for_stdout()
     if rows or more:
         console.print(lock_table(rows, caption=caption, plain=True))
     else:
@@ -62,6 +61,12 @@ def run_ls(args: argparse.Namespace, options: dict[str, Any]) -> int:
             "no key is held or waited for" + (f" under {args.prefix}" if args.prefix else "")
         )
     return 0
+
+
+def console_for_stdout() -> Console:
+    """rich on stdout; into a pipe or a file nothing wraps or is cut short: a long
+    key or a 19-digit token stays whole on its row, for grep and awk."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 1 << 16)
 
 
 def run_kill(args: argparse.Namespace, options: dict[str, Any]) -> int:

@@ -21,14 +21,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from elockd.client import BlockingClient, RequestError
 from elockd.client.core import printable
-from elockd.ctl.operate import listing, ls_line
+from elockd.ctl.operate import console_for_stdout, listing, ls_line
 from elockd.ctl.rows import Row, lock_table
 from elockd.ctl.status import where
 
@@ -154,7 +154,7 @@ class Top:
 
 def run_top(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """Until Ctrl-C (exit 0), or one frame with ``--once``."""
-    console = Console(highlight=False)
+    console = console_for_stdout()
     with BlockingClient(**options) as client:
         top = Top(args, client, where(options))
         if args.once:
