@@ -1376,6 +1376,12 @@ def main() -> None:
     parser.add_argument("--hold-conns", type=int, default=10_000)
     parser.add_argument("--hold-locks", type=int, default=100, help="locks per connection")
     parser.add_argument("--waiters", type=int, default=10_000)
+    parser.add_argument(
+        "--watchers",
+        type=at_least(1),
+        default=100,
+        help="watchers row: 'watch' streams on prefixes the pair row never touches",
+    )
     parser.add_argument("--leases", type=int, default=100_000)
     parser.add_argument(
         "--rounds",
@@ -1408,6 +1414,7 @@ def main() -> None:
         "burst",
         "hold",
         "features",
+        "watchers",
         "scrape",
         "websocket",
         "etcd",
@@ -1462,7 +1469,7 @@ def main() -> None:
         run.discard("etcd")
 
     print(f"# elockd bench, {options.seconds:g} s per row; {time.strftime('%Y-%m-%d %H:%M')}")
-    if run & {"throughput", "throttle", "burst", "hold", "features", "scrape", "websocket"}:
+    if run - {"etcd"}:
         pinned_rows(options, run)
     if "etcd" in run:
         etcd_rows(
@@ -1529,6 +1536,8 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
             f"{loaded.rps:,.0f} req/s ({loaded.server_us_per_request:.2f} µs CPU/req): "
             f"{loaded.rps / plain.rps:.2f}x"
         )
+    if "watchers" in run:
+        watchers_row(loadgen, options.seconds, options.watchers, max(3, options.rounds))
     if "scrape" in run:
         scrape_rows(loadgen, options.seconds)
     if "websocket" in run:
@@ -1547,6 +1556,55 @@ def pinned_rows(options: argparse.Namespace, run: set[str]) -> None:
             f"probe p99 {hold['probe_p99_ms']:.1f} ms, max {hold['probe_max_ms']:.1f} ms "
             f"over {hold['probes']:,.0f} probes"
         )
+
+
+@contextlib.contextmanager
+def watching_elsewhere(port: int, count: int) -> Iterator[None]:
+    """``count`` connections watching prefixes the pair row never touches (each
+    synced before the runs start, and open until they end)."""
+    sockets = connect_many(port, count)
+    try:
+        for n, sock in enumerate(sockets):
+            sock.sendall(b"watch elsewhere/%d/\n" % n)
+        buffer = bytearray()
+        for sock in sockets:
+            lines = read_lines(sock, 2, buffer)
+            assert lines == [b"200 Watching", b"SYNCED"], lines
+            buffer.clear()
+        yield
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def watchers_row(loadgen: Path, seconds: float, watchers: int, rounds: int) -> None:
+    """The pair row on two servers, one without watchers and one with ``watchers`` on
+    other prefixes, run in turn ``rounds`` times (issue 28's aim: at least 0.95x)."""
+    plain_port, watched_port = free_port(), free_port()
+    pair = THROUGHPUT_ROWS[0][1]
+    with (
+        running(elockd_command(plain_port), plain_port) as plain_server,
+        running(elockd_command(watched_port), watched_port) as watched_server,
+        watching_elsewhere(watched_port, watchers),
+    ):
+        plain_runs, watched_runs = [], []
+        for _ in range(rounds):
+            plain_runs.append(
+                run_loadgen(loadgen, "lockd", plain_port, plain_server.pid, seconds, *pair)
+            )
+            watched_runs.append(
+                run_loadgen(loadgen, "lockd", watched_port, watched_server.pid, seconds, *pair)
+            )
+    plain, watched = median_result(plain_runs), median_result(watched_runs)
+    ratios = sorted(w.rps / p.rps for w, p in zip(watched_runs, plain_runs, strict=True))
+    print()
+    print(
+        f"Watchers (pair, 1 in flight, median of {rounds} alternating runs): none "
+        f"{plain.rps:,.0f} req/s ({plain.server_us_per_request:.2f} µs CPU/req); "
+        f"{watchers} on other prefixes {watched.rps:,.0f} req/s "
+        f"({watched.server_us_per_request:.2f} µs CPU/req): {watched.rps / plain.rps:.2f}x "
+        f"(rounds' ratios {', '.join(f'{r:.2f}' for r in ratios)}; aim: at least 0.95x)"
+    )
 
 
 def websocket_row(seconds: float, clients: int = 16) -> None:

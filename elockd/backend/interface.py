@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeAlias, TypeVar
 
 from elockd.backend.state import TableDump, TableRestore
 from elockd.engine.bookkeeping import Bookkeeping, QueueFull, TooManyHolds
@@ -91,6 +91,48 @@ class KeyInfo:
         self.waiting = waiting
 
 
+class KeyRow:
+    """``ls``: one key with a hold or a waiter. The fields of :class:`KeyInfo`, plus
+    ``age``: seconds since the oldest hold on the key was granted (None: the key
+    has waiters and no hold)."""
+
+    __slots__ = ("age", "key", "owner", "shared", "token", "ttl", "waiting")
+
+    def __init__(
+        self,
+        key: bytes,
+        owner: bytes | None,
+        shared: int,
+        waiting: int,
+        age: float | None,
+        token: int | None,
+        ttl: float | None,
+    ) -> None:
+        self.key = key
+        self.owner = owner
+        self.shared = shared
+        self.waiting = waiting
+        self.age = age
+        self.token = token
+        self.ttl = ttl
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyRow({self.key!r}, owner={self.owner!r}, shared={self.shared}, "
+            f"waiting={self.waiting}, age={self.age}, token={self.token}, ttl={self.ttl})"
+        )
+
+
+class Evicted(NamedTuple):
+    """``kill K``: one hold an operator freed: its session's owner (as ``d`` shows
+    it) and ``IP:PORT``, its kind, and its fencing token (0 for a shared hold)."""
+
+    owner: bytes
+    peer: bytes
+    shared: bool
+    token: int
+
+
 class Later(Generic[T]):
     """A result that comes later. ``run`` produces it; ``waits`` marks a request
     waiting for a grant, which the server abandons when its client goes away (the
@@ -106,6 +148,12 @@ class Later(Generic[T]):
 
 #: An operation's result: the value now, or later.
 Result: TypeAlias = T | Later[T]
+
+#: ``ls``: the rows, produced as the reply is sent. A ``None`` among them stands for
+#: a stretch of keys read and left out (``older=``): the reply yields to other
+#: connections there, so a long filtered scan never holds the server. A backend
+#: that has no such stretches never yields one.
+KeyRows: TypeAlias = Iterator[KeyRow | None]
 
 #: ``d``/``sd``/``dump``: (key, owner, address) of every hold listed, produced as the
 #: dump is sent. The owner is the session's ``iam`` name, else its ``IP:PORT``.
@@ -187,6 +235,38 @@ class Backend(ABC):
 
     @abstractmethod
     def info(self, key: bytes, now: float) -> Result[KeyInfo]: ...
+
+    # ``watch`` (elockd.engine.watchers): the backend reports every grant and free
+    # to ``books.watchers``; a new watcher first gets a snapshot, from here.
+    def watch_keys(self, prefix: bytes) -> list[bytes]:
+        """The keys held now (either way) that start with ``prefix``: what a new
+        watcher's snapshot will show, listed in the step that registers it."""
+        raise NotImplementedError(f"{self.kind} backend: watch")
+
+    def watch_lines(self, key: bytes) -> list[bytes]:
+        """The ``+`` lines of every hold on ``key`` now, as a snapshot shows them
+        (the exclusive holder, then shared holders with ``holders=1..N``)."""
+        raise NotImplementedError(f"{self.kind} backend: watch")
+
+    # Operators (docs/protocol.md: ``ls``, ``kill``).
+    @abstractmethod
+    def listing(
+        self, prefix: bytes, now: float, *, older: float | None, limit: int | None
+    ) -> Result[KeyRows]:
+        """``ls``: every key with a hold or a waiter that starts with ``prefix``, in
+        byte order, produced lazily as the reply is sent (weakly consistent, as
+        :meth:`holders`: a key live for the whole listing is listed exactly once).
+        ``older``: only keys whose oldest hold is at least that many seconds old;
+        ``limit``: at most that many rows (the handler asks for one more than the
+        client's N, to learn whether to say there are more). Costs O(keys listed),
+        not O(every key)."""
+
+    @abstractmethod
+    def kill(self, key: bytes, now: float) -> Result[list[Evicted]]:
+        """``kill K``: free every hold on ``key`` (exclusive and shared) whoever owns
+        it, counting each in ``books.killed``; the holds freed. Waiters are served as
+        on a release, and the next exclusive grant has a larger fencing token. The
+        caller checked that the connection is an operator's."""
 
     @abstractmethod
     def throttle(

@@ -11,6 +11,7 @@ on the grant or on the timeout (the engine keeps every deadline).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -20,9 +21,12 @@ from elockd.backend.interface import (
     GRANTED,
     REFUSED,
     Backend,
+    Evicted,
     Grant,
     Holders,
     KeyInfo,
+    KeyRow,
+    KeyRows,
     Later,
     Result,
 )
@@ -32,6 +36,7 @@ from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.locks import LockEngine
 from elockd.engine.sessions import Hold, Session, Waiter
 from elockd.engine.throttles import ThrottleWaiter
+from elockd.engine.watchers import grant_line
 
 
 class Wait(Later[Grant]):
@@ -146,6 +151,82 @@ class MemoryBackend(LockEngine, Backend):
             if hold.lease_deadline is not None:
                 found.ttl = max(0.0, hold.lease_deadline - now)
         return found
+
+    def watch_keys(self, prefix: bytes) -> list[bytes]:
+        """O(all keys): a scan of both tables (an ordered table would make it
+        O(matching keys))."""
+        keys = dict.fromkeys(k for k in self.exclusive if k.startswith(prefix))
+        keys.update(dict.fromkeys(k for k in self.shared if k.startswith(prefix)))
+        return sorted(keys)
+
+    def watch_lines(self, key: bytes) -> list[bytes]:
+        lines = [
+            grant_line(key, h.session.owner, False, h.token) for h in self.exclusive_holds(key)
+        ]
+        lines.extend(
+            grant_line(key, h.session.owner, True, count)
+            for count, h in enumerate(self.shared_holds(key), 1)
+        )
+        return lines
+
+    # ------------------------------------------------------------- operators
+
+    def listing(
+        self, prefix: bytes, now: float, *, older: float | None, limit: int | None
+    ) -> KeyRows:
+        """Read from the ordered key index (:mod:`elockd.engine.keyindex`) a batch at
+        a time, each key's row when its batch comes (ages as of ``now``, the
+        request's time); keys of the index that are no longer live are skipped. A
+        batch that yields no row yields None, so that the reply lets other
+        connections run."""
+        self.index.ensure(lambda: itertools.chain(self.exclusive, self.shared))
+        return self._rows(prefix, now, older, limit)
+
+    def _rows(self, prefix: bytes, now: float, older: float | None, limit: int | None) -> KeyRows:
+        left = -1 if limit is None else limit
+        row_for = self._row_for
+        for batch in self.index.starting_with(prefix):
+            listed = False
+            for key in batch:
+                row = row_for(key, now)
+                if row is None or (older is not None and (row.age is None or row.age < older)):
+                    continue
+                listed = True
+                yield row
+                left -= 1
+                if left == 0:
+                    return
+            if not listed:
+                yield None
+
+    def _row_for(self, key: bytes, now: float) -> KeyRow | None:
+        """The ``ls`` row of ``key`` as the tables have it now (None: not live)."""
+        hold = self.exclusive.get(key)
+        entry = self.shared.get(key)
+        if hold is None and entry is None:
+            return None
+        row = KeyRow(key, None, 0, self.waiting_for(key), None, None, None)
+        oldest = None
+        if hold is not None:
+            row.owner = hold.session.owner
+            row.token = hold.token
+            oldest = hold.granted_at
+            if hold.lease_deadline is not None:
+                row.ttl = max(0.0, hold.lease_deadline - now)
+        if entry is not None:
+            holds = [entry] if isinstance(entry, Hold) else list(entry.values())
+            row.shared = len(holds)
+            first = min(h.granted_at for h in holds)
+            oldest = first if oldest is None else min(oldest, first)
+        if oldest is not None:
+            row.age = max(0.0, now - oldest)
+        return row
+
+    def kill(self, key: bytes, now: float) -> list[Evicted]:
+        return [
+            Evicted(hold.session.owner, hold.session.peer, hold.shared, hold.token)
+            for hold in self.evict(key, now)
+        ]
 
     # -------------------------------------------- hand-over (docs/upgrade.md)
     # Once the connections are parked and the timer stopped, nothing else changes

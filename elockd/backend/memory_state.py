@@ -114,6 +114,7 @@ class MemoryDump:
             "timeouts": engine.timeouts,
             "admitted": engine.admitted,
             "throttled": engine.throttled,
+            "killed": engine.killed,
         }
         # The last field of each row with a deadline; the successor sorts by it,
         # after the pause's critical part.
@@ -276,6 +277,7 @@ class MemoryRestore(RecordReader):
         # None in a state from before throttles.
         engine.admitted = record.get("admitted", 0)
         engine.throttled = record.get("throttled", 0)
+        engine.killed = record.get("killed", 0)  # None in a state from before kill
 
     def _sessions(self, record: Record) -> None:
         engine, now = self.engine, self.now
@@ -418,6 +420,9 @@ class MemoryRestore(RecordReader):
             else:
                 self.engine.schedule(deadline, target)
         self.deadlines = []
+        # The key index is built by the first `ls`, not inside the pause: sorting a
+        # million keys would add most of a second to it (elockd.engine.keyindex).
+        self.engine.index.rebuild = True
         heapq.heapify(self.engine.throttles._lapses)
         if self.engine._ending and self.engine.on_new_deadline is not None:
             self.engine.on_new_deadline()

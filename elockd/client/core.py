@@ -665,9 +665,8 @@ class ClientCore:
     def simple(
         self, line: bytes, now: float, parse: Callable[[Request], T], *, wait: float = 0.0
     ) -> Operation[T]:
-        """One request, one result: ``ping``, ``info``, ``stats``, ``conn_id``,
-        ``throttle``… ``wait``: the seconds the server may keep it waiting before
-        it answers (added to its reply deadline)."""
+        """One request, one result (``ping``, ``info``, ``throttle``…); ``wait``, the
+        seconds the server may keep it waiting, is added to its reply deadline."""
         request = self.submit(line, now, wait=wait)
         return Operation([request], lambda: parse(request))
 
@@ -686,8 +685,7 @@ def not_granted(request: Request) -> bool:
 
 
 def refusal(request: Request) -> RequestError:
-    """The error for a reply that is no answer to ``request``: :class:`AuthError`
-    for an auth refusal, else :class:`RequestError`, both naming verb and reply."""
+    """The error for a reply that is no answer: :class:`AuthError` or :class:`RequestError`."""
     reply = request.reply
     message = f"{printable(request_verb(request.line))}: {printable(reply)}"
     if reply in AUTH_REFUSALS or reply.startswith(b"403 Bad Token"):
@@ -762,10 +760,9 @@ def parse_lines(request: Request) -> list[bytes]:
 
 
 def parse_checked(request: Request) -> list[bytes]:
-    """:func:`parse_lines`, but a reply that answers neither yes nor no raises:
-    an auth refusal (:class:`AuthError`), a one-line refusal in place of a
-    multi-line reply, and for the terse probes (``g r i sg sr si``) anything but
-    their own yes and no (:class:`RequestError`)."""
+    """:func:`parse_lines`, but a reply that answers neither yes nor no raises: an
+    auth refusal (:class:`AuthError`), a one-line refusal in place of a multi-line
+    reply, and a terse probe's (``g r i sg sr si``) other lines (:class:`RequestError`)."""
     reply = request.reply
     verb = request_verb(request.line)
     if reply in AUTH_REFUSALS or (request.multiline and is_refusal(reply)):
@@ -789,8 +786,7 @@ def terse_answer(verb: bytes, reply: bytes) -> int | None:
 
 
 def auth_line(token: str | bytes) -> bytes:
-    raw = token.encode() if isinstance(token, str) else bytes(token)
-    raw = raw.strip()
+    raw = (token.encode() if isinstance(token, str) else bytes(token)).strip()
     if not raw or b"\n" in raw or b"\r" in raw:
         raise ValueError("auth token must be one non-empty line")
     return b"auth " + raw

@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:  # throttles imports core, which imports this module
-    from elockd.client.throttles import ThrottleResult
+from typing import Protocol
 
 
 class LostHold(Protocol):
@@ -19,6 +16,19 @@ class LostHold(Protocol):
     tokens: dict[bytes, int]
     lost_reason: str | None
     lost_at: float | None
+
+
+class RateAnswer(Protocol):
+    """What a :class:`Throttled` tells of the server's answer (a
+    :class:`~elockd.client.throttles.ThrottleResult`, described here rather than
+    imported: throttles imports core, which imports this module)."""
+
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def retry_after(self) -> float: ...
+    @property
+    def reset_after(self) -> float: ...
 
 
 class ElockError(Exception):
@@ -89,7 +99,7 @@ class Throttled(Unavailable):
     nobody else came; ``result`` the server's whole answer (a
     :class:`~elockd.client.throttles.ThrottleResult`)."""
 
-    def __init__(self, message: str, result: ThrottleResult) -> None:
+    def __init__(self, message: str, result: RateAnswer) -> None:
         super().__init__(message)
         self.result = result
         self.retry_after = result.retry_after

@@ -338,6 +338,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="throttle keys with state at once (more: '413 Too Many Throttles')",
     )
     add(
+        "--max-watchers",
+        type=positive_int,
+        default=defaults.max_watchers,
+        metavar="N",
+        help="'watch' streams at once (more: '413 Too Many Watchers')",
+    )
+    add(
+        "--watch-buffer",
+        type=positive_int,
+        default=defaults.watch_buffer,
+        metavar="BYTES",
+        help="unsent events one watcher may owe; past it: 'OVERFLOW', then close",
+    )
+    add(
         "--max-holds",
         type=positive_int,
         default=defaults.max_holds,
@@ -402,6 +416,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=path_name,
         default=None,
         help="demand 'auth TOKEN' with this file's content as the first request",
+    )
+    add(
+        "--admin-token-file",
+        metavar="FILE",
+        type=path_name,
+        default=None,
+        help="'auth' with this file's content marks an operator's connection, the only "
+        "kind that may 'kill' (a token of its own, not --auth-token-file's)",
     )
     add(
         "--tls-cert",

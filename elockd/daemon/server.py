@@ -62,7 +62,13 @@ from elockd.net.serving import (
 from elockd.net.tcp_silence import keepalive_bound, keepalive_settings, set_user_timeout
 from elockd.net.transport import Closer, SocketTransport, StreamTransport
 from elockd.net.unix_socket import OwnedPath, UnixPeers, open_unix_socket
-from elockd.observe.logs import log_auth_failure, log_refusal, log_session_end, log_tls_failure
+from elockd.observe.logs import (
+    log_auth_failure,
+    log_kill,
+    log_refusal,
+    log_session_end,
+    log_tls_failure,
+)
 from elockd.observe.tracing import trace_requests
 from elockd.protocol.commands import COMMANDS
 from elockd.protocol.config import Config
@@ -329,13 +335,31 @@ def tls_context(config: Config) -> ssl.SSLContext | None:
     return context
 
 
-def read_auth_token(path: str) -> bytes:
+def read_auth_token(path: str, flag: str = "--auth-token-file") -> bytes:
     """The shared secret of ``auth``: the file's content without surrounding blanks."""
-    with blame_file("--auth-token-file", path), open(path, "rb") as file:
+    with blame_file(flag, path), open(path, "rb") as file:
         token = file.read().strip()
     if not token:
-        raise StartupError(f"--auth-token-file {path}: empty (the token is its content)")
+        raise StartupError(f"{flag} {path}: empty (the token is its content)")
     return token
+
+
+def read_tokens(config: Config) -> tuple[bytes | None, bytes | None]:
+    """The lock token (``--auth-token-file``) and the operators' token
+    (``--admin-token-file``), each None when its flag is not given. The same token
+    for both is refused: every client would be an operator, able to ``kill``."""
+    token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
+    admin = (
+        read_auth_token(config.admin_token_file, "--admin-token-file")
+        if config.admin_token_file
+        else None
+    )
+    if admin is not None and admin == token:
+        raise StartupError(
+            f"--admin-token-file {config.admin_token_file}: the same token as "
+            f"--auth-token-file {config.auth_token_file} (every client could kill)"
+        )
+    return token, admin
 
 
 def raise_open_file_limit() -> int:
@@ -352,12 +376,13 @@ def raise_open_file_limit() -> int:
 
 def make_service(config: Config) -> PausableService:
     """The backend and service the server runs: in memory, or a cluster node."""
-    token = read_auth_token(config.auth_token_file) if config.auth_token_file else None
+    token, admin = read_tokens(config)
     backend: Backend = make_cluster_backend(config) if config.etcd else make_memory_backend(config)
     backend.books.on_session_end = log_session_end
-    service = PausableService(config, backend, COMMANDS, token)
+    service = PausableService(config, backend, COMMANDS, token, admin)
     service.reports.refusal = log_refusal
     service.reports.auth_failure = log_auth_failure
+    service.reports.kill = log_kill
     if log.isEnabledFor(logging.DEBUG):  # the plain command table costs nothing
         trace_requests(service)
     return service

@@ -18,6 +18,7 @@ from typing import NamedTuple, Protocol, TypeAlias
 
 from elockd.engine.deadlines import Deadlines
 from elockd.engine.sessions import WAITING, Hold, Session, Waiter
+from elockd.engine.watchers import Watchers
 
 
 class KnowsItsDeadlines(Protocol):
@@ -92,11 +93,16 @@ class Bookkeeping:
         self.shared_orphans = 0
         self.expired = 0
         self.timeouts = 0
+        # Holds an operator freed with ``kill K`` (exclusive and shared).
+        self.killed = 0
         # Throttle requests answered 200 (admitted) and 409 (throttled).
         self.admitted = 0
         self.throttled = 0
         self.leases = 0
         self.sessions_in_grace = 0
+        # ``watch``: every grant and free is reported here, behind one test of
+        # ``watchers.active`` (elockd.engine.watchers).
+        self.watchers = Watchers()
 
     def sizes(self) -> Sizes:
         """The tables' sizes now: each backend counts its own tables."""

@@ -61,16 +61,16 @@ def judge(tat: float, now: float, rate: Rate) -> tuple[Verdict, float]:
     """Judge one request against a key whose TAT is ``tat`` (``-inf`` or any past time:
     no state). Returns the verdict and the key's TAT after it: the new one when
     admitted (unchanged for a peek, ``cost`` 0), else ``tat`` as it was."""
-    interval = rate.interval
-    capacity = rate.capacity
+    calls, period, burst, cost = rate  # unpacked once: this runs on every request
+    interval = period / calls
+    capacity = burst * interval
     base = tat if tat > now else now
-    new = base + rate.cost * interval
+    new = base + cost * interval
     ahead = new - now
     if ahead <= capacity + EPSILON:
         remaining = int((capacity - ahead) / interval + EPSILON)
-        after = tat if rate.cost == 0 else new
-        return Verdict(True, rate.burst, max(0, remaining), max(0.0, ahead)), after
-    return Verdict(False, rate.burst, 0, base - now, ahead - capacity), tat
+        return Verdict(True, burst, max(0, remaining), max(0.0, ahead)), new if cost else tat
+    return Verdict(False, burst, 0, base - now, ahead - capacity), tat
 
 
 def admit_at(tat: float, rate: Rate) -> float:

@@ -60,8 +60,10 @@ from elockd.engine.bookkeeping import (
     QueueFull,
     TooManyHolds,
 )
+from elockd.engine.keyindex import KeyIndex
 from elockd.engine.sessions import CANCELLED, GRANTED, WAITING, Hold, Session, Waiter
 from elockd.engine.throttles import Throttles, ThrottleWaiter
+from elockd.engine.watchers import EXPIRED, KILLED, ORPHANED, RELEASED, free_line, grant_line
 
 # Re-exported: the engine's callers (and its tests) name them through this module.
 __all__ = [
@@ -154,6 +156,10 @@ class LockEngine(Bookkeeping):
         self.detached = 0
         # ``throttle``: its own namespace of keys, on this engine's deadline heap.
         self.throttles = Throttles(self, max_throttles=max_throttles)
+        # ``ls``: the keys in byte order, kept lazily (elockd.engine.keyindex). The
+        # grants test ``key not in self._indexed`` inline: one set lookup.
+        self.index = KeyIndex()
+        self._indexed = self.index.members
 
     # ---------------------------------------------------------------- sessions
 
@@ -188,7 +194,7 @@ class LockEngine(Bookkeeping):
         self.orphans += exclusive
         self.shared_orphans += shared
         for hold in [*session.exclusive.values(), *session.shared.values()]:
-            self._free(hold, now)
+            self._free(hold, now, ORPHANED)
         self._forget_if_done(session)
         if self.on_session_end is not None:
             self.on_session_end(session, exclusive, shared, ENDED_SESSION_LIMIT)
@@ -225,7 +231,7 @@ class LockEngine(Bookkeeping):
             self.orphans += len(exclusive)
             self.shared_orphans += len(shared)
             for hold in [*exclusive, *shared]:
-                self._free(hold, now)
+                self._free(hold, now, ORPHANED)
             freed = len(exclusive), len(shared)
         else:
             freed = len(session.exclusive), len(session.shared)
@@ -251,14 +257,19 @@ class LockEngine(Bookkeeping):
         xqueues, squeues = self._xqueues, self._squeues
         self.orphans += len(session.exclusive)
         self.shared_orphans += len(session.shared)
+        watchers = self.watchers if self.watchers.active else None
         for key in session.exclusive:
             del exclusive[key]
+            if watchers is not None:
+                watchers.free(key, session.owner, False, 0, ORPHANED)
         shared = self.shared
         for key, hold in session.shared.items():
             if shared[key] is hold:  # the key's only holder: _unshare's common case
                 del shared[key]
             else:
                 self._unshare(hold)
+            if watchers is not None:
+                watchers.free(key, session.owner, True, self.shared_count(key), ORPHANED)
         self.shared_holders -= len(session.shared)
         freed_exclusive, freed_shared = session.exclusive, session.shared
         for is_shared, freed in ((False, freed_exclusive), (True, freed_shared)):
@@ -333,12 +344,17 @@ class LockEngine(Bookkeeping):
         return True
 
     def _grant_exclusive(self, session: Session, key: bytes, now: float, ttl: float | None) -> Hold:
+        if key not in self._indexed:
+            self._index_key(key)
         hold = Hold(session, key, False, self._next_token, now)
         self._next_token += 1
         self.exclusive[key] = hold
         session.exclusive[key] = hold
         if ttl is not None:
             self.set_lease(hold, now + ttl)
+        if self.watchers.active and (watching := self.watchers.matching(key)):
+            line = grant_line(key, session.owner, False, hold.token)
+            self.watchers.send(watching, key, line)
         return hold
 
     # --------------------------------------------------------------- multi-key
@@ -424,6 +440,8 @@ class LockEngine(Bookkeeping):
         count."""
         if key in session.shared:
             return self.shared_count(key)
+        if key not in self._indexed:
+            self._index_key(key)
         hold = Hold(session, key, True, 0, now)
         entry = self.shared.get(key)
         if entry is None:
@@ -439,6 +457,8 @@ class LockEngine(Bookkeeping):
         session.shared[key] = hold
         if ttl is not None:
             self.set_lease(hold, now + ttl)
+        if self.watchers.active and (watching := self.watchers.matching(key)):
+            self.watchers.send(watching, key, grant_line(key, session.owner, True, count))
         return count
 
     def wait_shared(
@@ -493,6 +513,29 @@ class LockEngine(Bookkeeping):
 
     # ------------------------------------------------------------ both tables
 
+    def _index_key(self, key: bytes) -> None:
+        """A key granted for the first time since the index last swept it away."""
+        due = self.index.add(key, len(self.exclusive) + len(self.shared))
+        if due and self.on_new_deadline is not None:
+            self.on_new_deadline()  # wake the timer: a sweep is due
+
+    def is_live(self, key: bytes) -> bool:
+        """Whether ``key`` has a hold (in memory a key with a waiter has one too: a
+        free key has no queue, and a shared queue waits only while its head's limit
+        is reached, a limit of 1 or more)."""
+        return key in self.exclusive or key in self.shared
+
+    def evict(self, key: bytes, now: float) -> list[Hold]:
+        """``kill K``: free every hold on ``key``, exclusive and shared, whoever owns
+        it, as a release would (its waiters are served, the next exclusive grant takes
+        a larger fencing token); the holds freed, counted in ``killed``."""
+        holds = [*self.exclusive_holds(key), *self.shared_holds(key)]
+        for hold in holds:
+            self._free(hold, now, KILLED)
+            self._forget_if_done(hold.session)
+        self.killed += len(holds)
+        return holds
+
     def release_all(self, session: Session, now: float) -> None:
         for hold in list(session.exclusive.values()):
             self._free(hold, now)
@@ -508,8 +551,10 @@ class LockEngine(Bookkeeping):
         self.set_lease(hold, now + ttl)
         return True
 
-    def _free(self, hold: Hold, now: float) -> None:
+    def _free(self, hold: Hold, now: float, why: bytes = RELEASED) -> None:
         """Remove a hold from every table, then hand the key to its next waiter(s).
+        ``why`` it went is what watchers hear (released, expired, orphaned, killed):
+        its free comes before the grants it makes.
 
         Every release runs this, so :meth:`hold_ended` (and its ``end_lease``) is
         written out here rather than called: two calls less per release. A change to
@@ -525,11 +570,16 @@ class LockEngine(Bookkeeping):
             self._unshare(hold)
             self.shared_holders -= 1
             del session.shared[key]
+            if self.watchers.active and (watching := self.watchers.matching(key)):
+                line = free_line(key, session.owner, True, self.shared_count(key), why)
+                self.watchers.send(watching, key, line)
             if key in self._squeues:
                 self._serve_shared(key, now)
         else:
             del self.exclusive[key]
             del session.exclusive[key]
+            if self.watchers.active and (watching := self.watchers.matching(key)):
+                self.watchers.send(watching, key, free_line(key, session.owner, False, 0, why))
             if session.waiters:
                 self._requeue_lost_key(session, key)
             if key in self._xqueues:
@@ -646,7 +696,7 @@ class LockEngine(Bookkeeping):
     def next_deadline(self) -> float | None:
         """When :meth:`advance` next has work (possibly a stale entry), or None;
         minus infinity while ending sessions wait to be freed."""
-        if self._ending:
+        if self._ending or self.index.sweeping:
             return -math.inf
         deadline = self._deadlines.next()
         lapse = self.throttles.next_lapse()
@@ -662,12 +712,14 @@ class LockEngine(Bookkeeping):
         """
         self._free_budget = self.free_slice
         self._free_ending(now)
+        if self.index.sweeping:
+            self.index.sweep(self.is_live, self.free_slice)
         if budget is None:
             budget = -1
         for deadline, target in self._deadlines.due(now):
             if isinstance(target, Hold):
                 self.expired += 1
-                self._free(target, now)
+                self._free(target, now, EXPIRED)
                 self._forget_if_done(target.session)
             elif isinstance(target, Waiter):
                 self._time_out(target, now)
@@ -684,6 +736,8 @@ class LockEngine(Bookkeeping):
             while self._ending:
                 self._free_budget = self.free_slice
                 self._free_ending(now)
+            while self.index.sweep(self.is_live, self.free_slice):
+                pass
         self._free_budget = self.free_slice
         next_due = self.next_deadline()
         return next_due is not None and next_due <= now

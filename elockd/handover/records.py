@@ -19,6 +19,7 @@ from typing import Any
 from elockd.backend.interface import Later
 from elockd.backend.state import Record, StateError, raw, text
 from elockd.engine.sessions import Session
+from elockd.engine.watchers import Watcher
 from elockd.handover.parked import Backlog, Parked
 from elockd.net.transport import Transport
 from elockd.protocol.commands import COMMANDS
@@ -30,10 +31,11 @@ from elockd.protocol.framing import LineReader
 #: successor refuses a version it does not read; either way the old server serves
 #: on. Version 2 added the replies a connection still owes (``unsent``): a successor
 #: that would drop them unread must not take the state, so a version-1 successor is
-#: refused. A version-1 state is a version-2 one without them.
+#: refused. A version-1 state is a version-2 one without them. Version 3 added a
+#: ``watch`` stream's prefix and unsent events (``watch``), for the same reason.
 FORMAT = "elockd-state"
-VERSION = 2
-READABLE = (1, 2)
+VERSION = 3
+READABLE = (1, 2, 3)
 
 #: Connections per record: each brings its socket, and one message carries at most
 #: 253 descriptors (SCM_MAX_FD).
@@ -121,6 +123,7 @@ def connection_records(
                 "session": None if conn is None else session_index[conn.session],
                 "peer": text(parked.peer),
                 "authenticated": conn is None or conn.authenticated,
+                "admin": conn is not None and conn.admin,
                 "named": None if conn is None else named.get(conn),
                 "pending": pending,
                 "lines": [None if line is None else text(line) for line in backlog.remaining()],
@@ -130,6 +133,7 @@ def connection_records(
                 # Replies it owes a client that was not reading when the pause came:
                 # they go out before anything else.
                 "unsent": text(bytes(getattr(parked.transport, "unsent", b""))),
+                "watch": None if conn is None else watch_row(conn.watcher),
             }
         )
         if len(rows) == CONNECTIONS_BATCH:
@@ -137,6 +141,27 @@ def connection_records(
             rows = []
     if rows:
         yield {"t": "connections", "rows": rows}
+
+
+def watch_row(watcher: Watcher | None) -> list[str] | None:
+    """A ``watch`` stream's prefix and its events not yet sent (the connection parks
+    only between two sends, after its snapshot, so that is all it has)."""
+    if watcher is None:
+        return None
+    return [text(watcher.prefix), text(b"".join(watcher.lines))]
+
+
+def watch_restored(service: Service, row: list[str]) -> Watcher:
+    """The watcher of a moved ``watch`` stream, registered again with its unsent
+    events first: the tables stood still since, so it misses nothing and gets
+    nothing twice. It counts against ``--max-watchers`` but is never refused."""
+    prefix, unsent = raw(row[0]), raw(row[1])
+    watcher = Watcher(prefix, service.config.watch_buffer)
+    if unsent:
+        watcher.lines.append(unsent)
+        watcher.unsent = len(unsent)
+    service.backend.books.watchers.adopt(watcher)
+    return watcher
 
 
 def rebuild_connections(
@@ -164,6 +189,7 @@ def rebuild_connections(
             conn = Connection(service, peer, session)
             if record["authenticated"]:
                 conn.authenticate()
+            conn.admin = record.get("admin", False)  # none in a state from before kill
             if record["named"] is not None:
                 named.append((record["named"], conn))
             if record["pending"] is not None:
@@ -178,6 +204,8 @@ def rebuild_connections(
         transport.read_ahead = raw(record["read_ahead"])  # type: ignore[attr-defined]
         if record.get("unsent"):  # none in a version-1 state
             transport.unsent[:] = raw(record["unsent"])  # type: ignore[attr-defined]
+        if conn is not None and record.get("watch") is not None:  # none before version 3
+            conn.watcher = watch_restored(service, record["watch"])
         served.append(Parked(conn, reader, transport, peer, backlog))
     for _, conn in sorted(named, key=lambda pair: pair[0]):
         service.named[conn] = None

@@ -157,6 +157,11 @@ class ElockdCollector(Collector):
         orphans.add_metric(["shared"], books.shared_orphans)
         yield orphans
         yield CounterMetricFamily(
+            "elockd_killed",
+            "Holds an operator freed with kill K, exclusive and shared (q: killed).",
+            value=books.killed,
+        )
+        yield CounterMetricFamily(
             "elockd_handovers",
             "Hand-overs to a successor process this server's state went through "
             "(q: handovers; docs/upgrade.md).",

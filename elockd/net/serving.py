@@ -24,6 +24,7 @@ from elockd.handover.parked import Backlog, Parked
 from elockd.handover.pause import HandedOver, Interrupted, Pause
 from elockd.net.tcp_silence import LATE_REPLY
 from elockd.net.transport import Transport
+from elockd.net.watching import BYE, serve_watch
 from elockd.observe.logs import log_connection_close, log_connection_error, log_connection_open
 from elockd.protocol.connection import (
     Connection,
@@ -142,6 +143,9 @@ async def _serve_requests(
     with the backlog first."""
     reports = conn.service.reports
     reader, transport, backlog = rest.reader, rest.transport, rest.backlog
+    if conn.watcher is not None:  # a watch stream taken over from a predecessor
+        await serve_watch(conn, rest, pause)
+        return
     while not conn.closing:
         if backlog.pending is not None:
             delivered = await deliver(backlog.pending, transport, reports=reports)
@@ -204,6 +208,13 @@ async def _serve_requests(
                 backlog.answered()
                 if not delivered:
                     return  # the client left while its request waited
+                if conn.watcher is not None:  # `watch`: the connection is a stream now
+                    if after < len(lines):
+                        await transport.send(BYE)  # a line after watch ends it at once
+                        return
+                    del lines, requests, replies
+                    await serve_watch(conn, rest, pause)
+                    return
             elif buffered >= REPLY_FLUSH_BYTES and not conn.closing:
                 # Backpressure from a client that does not read starts here, and
                 # the checkpoint lets other connections run between batches.

@@ -71,6 +71,11 @@ class Transport(Protocol):
     async def watch_for_close(self) -> None:
         """Return when the peer closes; keep what it sends meanwhile for receive()."""
 
+    async def receive_beside(self) -> bytes:
+        """:meth:`receive` for a connection whose sends run in another task at the
+        same time (a ``watch`` stream, :mod:`elockd.net.watching`): it sends nothing
+        itself, so the two never wait on the socket together."""
+
     async def aclose(self) -> None: ...
 
 
@@ -115,6 +120,9 @@ class _ReadAhead:
             data, self._read_ahead = self._read_ahead, b""
             return data
         return await self._receive_raw()
+
+    async def receive_beside(self) -> bytes:
+        return await self.receive()  # a stream's reads send nothing
 
     async def watch_for_close(self) -> None:
         while len(self._read_ahead) < READ_AHEAD_LIMIT:
@@ -271,13 +279,26 @@ class SocketTransport(_ReadAhead):
         return data
 
     async def _receive_raw(self) -> bytes:
-        sock, pause, rest = self.sock, self.pause, self.rest
         if self.unsent:
             await self._flush()
             if self.unsent:
                 # Paused while it still owes replies: it parks rather than rests in
                 # the wait, so that a failed hand-over wakes it to send them.
                 raise Interrupted
+        return await self._wait_and_receive()
+
+    async def receive_beside(self) -> bytes:
+        """Never flushes what it owes: the stream's sender does (see the Protocol)."""
+        if self._read_ahead:
+            data, self._read_ahead = self._read_ahead, b""
+            return data
+        await trio.lowlevel.checkpoint()
+        if self.pause.requested:
+            raise Interrupted
+        return await self._wait_and_receive()
+
+    async def _wait_and_receive(self) -> bytes:
+        sock, pause, rest = self.sock, self.pause, self.rest
         while True:
             if rest is not None:
                 pause.idle.add(rest)

@@ -95,6 +95,7 @@ class WebSocketTransport:
         "_ahead_bytes",
         "_decoder",
         "_events",
+        "_flushing",
         "_gone",
         "_lingers",
         "_owed",
@@ -138,6 +139,7 @@ class WebSocketTransport:
         self._text = True  # the type of the message being answered
         self._owed = False  # that message has had no reply message yet
         self._gone = False  # the peer is gone, or the session closed: no more I/O
+        self._flushing = False  # a task is in _flush (see there)
         self._lingers = False  # closed, but the socket waits for the peer's close
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -159,6 +161,19 @@ class WebSocketTransport:
             text, data = got
         self._text = text
         self._owed = True
+        return data if data.endswith(b"\n") else data + b"\n"
+
+    async def receive_beside(self) -> bytes:
+        """:meth:`receive` while another task sends (a ``watch`` stream): it owes no
+        reply message, and a pong it answers goes out with the sender's flush."""
+        if self._ahead:
+            _, data = self._ahead.popleft()
+            self._ahead_bytes -= len(data)
+        else:
+            got = await self._next_message()
+            if got is None:
+                return b""
+            _, data = got
         return data if data.endswith(b"\n") else data + b"\n"
 
     async def watch_for_close(self) -> None:
@@ -288,6 +303,17 @@ class WebSocketTransport:
         pause :data:`~elockd.handover.pause.STREAM_SEND_GRACE`. What went out is
         taken off at once, so a flush cancelled half-way leaves the rest for the
         next one and never a torn frame."""
+        if self._flushing:
+            # Another task is flushing (a watch stream's sender while its reader
+            # answers a ping): it sends what was just queued, in order, whole.
+            return
+        self._flushing = True
+        try:
+            await self._flush_pending()
+        finally:
+            self._flushing = False
+
+    async def _flush_pending(self) -> None:
         sock, pending = self.sock, self._pending
         deadline = math.inf
         while pending:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 
+from elockd.backend.interface import Evicted
 from elockd.engine.bookkeeping import ENDED_SESSION_LIMIT
 from elockd.engine.sessions import Session
 from elockd.observe.logthrottle import LogThrottle
@@ -83,6 +84,22 @@ def log_auth_failure(peer: bytes) -> None:
     """A wrong ``auth`` token: someone guessing, or a client with a stale token.
     (The connection is closed after the reply; the delay is the protocol's.)"""
     _auth_failure_warning("auth failed", fields={"peer": shown(peer)})
+
+
+def log_kill(peer: bytes, key: bytes, evicted: list[Evicted]) -> None:
+    """An operator's ``kill K``: one warning naming the admin's peer, the key and
+    every evicted owner (``OWNER (IP:PORT) exclusive token=T`` or ``... shared``),
+    the audit trail of who was thrown out of what. Not rate-limited: only a
+    connection with the admin token can cause it, and every kill must be on record."""
+    owners = ", ".join(
+        f"{shown(e.owner)} ({shown(e.peer)}) "
+        + ("shared" if e.shared else f"exclusive token={e.token}")
+        for e in evicted
+    )
+    log.warning(
+        "kill",
+        extra={"peer": shown(peer), "key": shown(key), "freed": len(evicted), "evicted": owners},
+    )
 
 
 #: Sessions ended at --max-sessions come in floods when a client churns: one warning

@@ -73,13 +73,17 @@ TABLE: tuple[Command, ...] = (
     Command(
         b"throttle",
         WORD,
-        word.cmd_throttle,
-        arguments=3,
-        options=word.THROTTLE_OPTIONS,
+        word.cmd_throttle_line,
+        raw=True,  # its common shape is parsed in one split; see cmd_throttle_line
         wait_reply=word.throttle_line,
     ),
     Command(b"ping", WORD, word.cmd_ping),
+    # Operators (docs/protocol.md: Operators).
+    Command(b"ls", WORD, word.cmd_ls, arguments=1, options=word.LS_OPTIONS),
+    Command(b"kill", WORD, word.cmd_kill, arguments=1),
     Command(b"auth", WORD, word.cmd_auth, needs_auth=False, raw=True, secret=True),
+    # Operators (issue 28): watch.
+    Command(b"watch", WORD, word.cmd_watch, arguments=1),
 )
 
 #: The table by verb, as the dispatcher reads it.

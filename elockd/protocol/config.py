@@ -37,6 +37,9 @@ class Config:
     max_holds: int = 10_000
     # Throttle keys with state (a TAT in the future) at once.
     max_throttles: int = 1_000_000
+    # `watch` streams at once, and the bytes of events one may owe before OVERFLOW.
+    max_watchers: int = 100
+    watch_buffer: int = 1 << 20
     # Sessions without a connection (in grace or owning leases) kept at once.
     max_sessions: int = 10_000
     # The longest WAIT, wait=, ttl= and set_timeout a request may ask for, in seconds.
@@ -53,6 +56,8 @@ class Config:
     # A failed `auth` is answered only after this long, so guessing tokens is slow.
     auth_failure_delay: float = 1.0
     auth_token_file: str | None = None
+    # The operators' token: `auth` with it marks a connection that may `kill`.
+    admin_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

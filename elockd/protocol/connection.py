@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from elockd.backend.interface import (
     REFUSALS,
     Backend,
+    Evicted,
     Later,
     QueueFull,
     Result,
@@ -43,6 +44,7 @@ from elockd.backend.interface import (
     TooManyThrottles,
 )
 from elockd.engine.sessions import Session
+from elockd.engine.watchers import Watcher
 from elockd.protocol.arguments import Args, BadRequest
 from elockd.protocol.config import Config
 from elockd.protocol.replies import STYLES, TerseReplies
@@ -63,13 +65,15 @@ class Reports:
     itself. The server wires them to :mod:`elockd.observe.logs` (rate-limited
     records); unwired, nothing is reported."""
 
-    __slots__ = ("auth_failure", "refusal")
+    __slots__ = ("auth_failure", "kill", "refusal")
 
     def __init__(self) -> None:
         #: A request refused at the limit the flag names (``--max-holds``), and by whom.
         self.refusal: Callable[[str, bytes], None] = _unreported
         #: A wrong ``auth`` token, and from whom.
         self.auth_failure: Callable[[bytes], None] = _unreported
+        #: An operator's ``kill K``: the admin's peer, the key, the holds it freed.
+        self.kill: Callable[[bytes, bytes, list[Evicted]], None] = _unreported
 
 
 class Family:
@@ -270,7 +274,11 @@ class Service:
         backend: Backend,
         commands: Mapping[bytes, Command],
         auth_token: bytes | None = None,
+        admin_token: bytes | None = None,
     ) -> None:
+        """``auth_token``: what ``auth`` must be given before anything else is served
+        (``--auth-token-file``); ``admin_token``: what marks a connection as an
+        operator's, which alone may ``kill`` (``--admin-token-file``)."""
         self.config = config
         self.backend = backend
         self.commands = commands
@@ -286,6 +294,7 @@ class Service:
         # Connections that set a name with `iam`, oldest naming first (for `who`).
         self.named: dict[Connection, None] = {}
         self.auth_token = auth_token
+        self.admin_token = admin_token
         self.reports = Reports()
         # Before `auth` succeeds a connection dispatches through this table, where
         # every verb that needs auth is refused: no per-request check on the hot path.
@@ -317,6 +326,7 @@ class Connection:
 
     __slots__ = (
         "abort",
+        "admin",
         "backend",
         "closing",
         "command_counts",
@@ -325,6 +335,7 @@ class Connection:
         "replies",
         "service",
         "session",
+        "watcher",
     )
 
     def __init__(
@@ -348,6 +359,10 @@ class Connection:
             session.grace = service.config.grace
         self.session = session
         self.closing = False  # set by `quit` and a failed `auth`: close after this reply
+        # Set by `watch`: the connection is an event stream from its reply on.
+        self.watcher: Watcher | None = None
+        # Passed `auth` with the --admin-token-file token: may `kill`.
+        self.admin = False
         # Set by the server: ends this connection (the backend lost its session).
         self.abort: Callable[[], None] | None = None
         self.command_counts = service.counters.commands
@@ -405,17 +420,27 @@ class Connection:
         self.commands = self.service.commands
 
     def check_token(self, token: bytes) -> bool:
-        """``auth TOKEN``: constant-time comparison, so timing leaks nothing."""
-        expected = self.service.auth_token
-        if expected is None:
-            return True
-        if not hmac.compare_digest(token, expected):
+        """``auth TOKEN``: constant-time comparisons, so timing leaks nothing. The
+        admin token passes wherever the lock token does, and marks the connection
+        as an operator's. Without either token any token passes; with only an admin
+        token, requests need no ``auth``, but an ``auth`` with any other token fails
+        as a wrong one does (delayed, then closed), so guessing it stays slow."""
+        service = self.service
+        expected, admin = service.auth_token, service.admin_token
+        if admin is not None and hmac.compare_digest(token, admin):
+            self.admin = True
+        elif expected is None:
+            return admin is None
+        elif not hmac.compare_digest(token, expected):
             return False
-        self.commands = self.service.commands
+        self.commands = service.commands
         return True
 
     def close(self, now: float) -> None:
         """The connection is gone: its session follows its grace rule."""
+        if self.watcher is not None:
+            self.backend.books.watchers.remove(self.watcher)
+            self.watcher = None
         if self in self.service.connections:
             self.service.connections.discard(self)
             self.service.named.pop(self, None)

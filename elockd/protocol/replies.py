@@ -30,13 +30,15 @@ CHUNK_BYTES = 32 * 1024
 
 def chunked(pieces: Iterable[bytes], end: bytes = END) -> Iterator[bytes]:
     """``pieces`` then ``end``, joined into chunks of about :data:`CHUNK_BYTES`
-    (an empty listing without an end is one empty chunk: nothing is sent)."""
+    (an empty listing without an end is one empty chunk: nothing is sent). An empty
+    piece sends the chunk so far at once, empty or not: the producer read a while
+    without output (``ls older=``), and other connections get their turn."""
     chunk: list[bytes] = []
     size = 0
     for piece in pieces:
         chunk.append(piece)
         size += len(piece)
-        if size >= CHUNK_BYTES:
+        if size >= CHUNK_BYTES or not piece:
             yield b"".join(chunk)
             chunk.clear()
             size = 0

@@ -46,6 +46,7 @@ def snapshot(books: Bookkeeping, counters: Counters) -> dict[str, int]:
         "expired": books.expired,
         "handovers": counters.handovers,
         "invalid_commands": counters.invalid_commands,
+        "killed": books.killed,
         "leases": books.leases,
         "locks": sizes.locks,
         "orphans": books.orphans,

@@ -9,13 +9,22 @@ one question, and formats the answer, now or once it comes
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from elockd.backend.interface import Grant, KeyInfo
+from elockd.backend.interface import Evicted, Grant, KeyInfo, KeyRows
 from elockd.engine.gcra import Rate, Verdict, milliseconds
 from elockd.engine.sessions import Session
-from elockd.protocol.arguments import Args, BadRequest, parse_number, parse_seconds, parse_whole
-from elockd.protocol.connection import WORD, Delayed, Reply, answer
+from elockd.engine.watchers import TooManyWatchers, snapshot
+from elockd.protocol.arguments import (
+    Args,
+    BadRequest,
+    parse_number,
+    parse_seconds,
+    parse_whole,
+)
+from elockd.protocol.connection import WORD, Delayed, Reply, Streamed, answer
+from elockd.protocol.replies import chunked
 from elockd.protocol.stats import render_stats
 
 if TYPE_CHECKING:
@@ -33,6 +42,11 @@ TTL_OPTION = frozenset({b"ttl"})
 SHARED_OPTIONS = frozenset({b"limit", b"ttl"})
 MLOCK_OPTIONS = frozenset({b"wait", b"ttl"})
 THROTTLE_OPTIONS = frozenset({b"burst", b"cost", b"wait"})
+LS_OPTIONS = frozenset({b"older", b"limit"})
+
+FORBIDDEN = b"403 Forbidden\r\n"
+#: The line after the ``limit=N`` rows of ``ls`` when more keys match.
+MORE = "… more\r\n".encode()
 
 
 def cmd_lock(conn: Connection, args: Args, now: float) -> Reply:
@@ -166,6 +180,27 @@ def cmd_info(conn: Connection, args: Args, now: float) -> Reply:
     return answer(conn.backend.info(key, now), line, WORD, conn.peer)
 
 
+def cmd_throttle_line(conn: Connection, rest: bytes, now: float) -> Reply:
+    """The table's handler for ``throttle`` (it takes the rest of the line): the
+    common shape, ``K COUNT PERIOD`` in whole numbers, is parsed with one split,
+    since a fleet of rate-limited workers asks it as often as ``g``; every other
+    shape goes through the declared arguments (:func:`cmd_throttle`), whose 400
+    reasons it shares."""
+    parts = rest.split(b" ")
+    if len(parts) == 3:
+        key, count, period = parts
+        if key and count.isdigit() and period.isdigit() and len(count) + len(period) < 16:
+            calls, seconds = int(count), int(period)
+            if calls and 0 < seconds <= conn.service.config.max_ttl:
+                rate = Rate(calls, float(seconds), calls, 1)
+                result = conn.backend.throttle(conn.session, key, now, rate, wait=0.0)
+                if result.__class__ is Verdict:
+                    return throttle_line(result)
+                return answer(result, throttle_line, WORD, conn.peer)
+    args = Args(rest, THROTTLE_OPTIONS, 3, conn.service.config.max_ttl)
+    return cmd_throttle(conn, args, now)
+
+
 def cmd_throttle(conn: Connection, args: Args, now: float) -> Reply:
     """``throttle K COUNT PERIOD [burst=B] [cost=N] [wait=S]``: admitted or not by
     the GCRA (docs/rate-limits.md); COUNT, PERIOD, B and N are this request's own."""
@@ -204,6 +239,73 @@ def throttle_line(verdict: Verdict) -> bytes:
     )
 
 
+def cmd_ls(conn: Connection, args: Args, now: float) -> Reply:
+    """``ls [PREFIX] [older=S] [limit=N]``: a line per key with a hold or a waiter,
+    sorted, streamed like ``d``. ``ls older=S`` (no prefix) is read as the option, not
+    as a prefix: the one place a first word with ``=`` is not a key."""
+    prefix = b""
+    if args.positional:
+        first = args.positional[0]
+        name, equals, value = first.partition(b"=")
+        if equals and name in LS_OPTIONS:
+            if name in args.options:
+                raise BadRequest(f"option {name.decode()} given twice")
+            args.options[name] = value
+        else:
+            prefix = first
+    older_option = args.options.get(b"older")
+    older = None if older_option is None else parse_number(older_option, "older")
+    limit = args.limit()
+    rows = conn.backend.listing(
+        prefix, now, older=older, limit=None if limit is None else limit + 1
+    )
+    return answer(rows, lambda found: Streamed(_ls_chunks(found, limit)), WORD, conn.peer)
+
+
+def _ls_chunks(rows: KeyRows, limit: int | None) -> Iterator[bytes]:
+    """The rows as lines, chunked as ``d`` is, then ``END``; after ``limit`` rows,
+    ``… more`` if another one came. A stretch of keys left out (a None row) sends
+    the chunk so far, possibly empty, so other connections run."""
+    return chunked(_ls_lines(rows, limit))
+
+
+def _ls_lines(rows: KeyRows, limit: int | None) -> Iterator[bytes]:
+    listed = 0
+    for row in rows:
+        if row is None:
+            yield b""
+            continue
+        if listed == limit:
+            yield MORE
+            return
+        listed += 1
+        yield b"%s exclusive=%s shared=%d waiting=%d age=%s token=%s ttl=%s\r\n" % (
+            row.key,
+            b"-" if row.owner is None else row.owner,
+            row.shared,
+            row.waiting,
+            b"-" if row.age is None else b"%.3f" % row.age,
+            b"-" if row.token is None else b"%d" % row.token,
+            b"-" if row.ttl is None else b"%.3f" % row.ttl,
+        )
+
+
+def cmd_kill(conn: Connection, args: Args, now: float) -> Reply:
+    """``kill K``: an operator frees every hold on K (only a connection that passed
+    ``auth`` with the ``--admin-token-file`` token). Logged at warning, with the
+    admin's peer and every evicted owner."""
+    key = args.key()
+    if not conn.admin:
+        return FORBIDDEN
+    reports, peer = conn.service.reports, conn.peer
+
+    def killed(evicted: list[Evicted]) -> bytes:
+        reports.kill(peer, key, evicted)
+        return b"200 Killed %d\r\n" % len(evicted)
+
+    return answer(conn.backend.kill(key, now), killed, WORD, conn.peer)
+
+
 def cmd_ping(conn: Connection, args: Args, now: float) -> Reply:
     return b"200 PONG\r\n"
 
@@ -218,3 +320,36 @@ def cmd_auth(conn: Connection, rest: bytes, now: float) -> Reply:
     conn.service.reports.auth_failure(conn.peer)
     conn.closing = True
     return Delayed(b"403 Bad Token\r\n", conn.service.config.auth_failure_delay)
+
+
+# ------------------------------------------------------------------ watch (issue 28)
+
+WATCHING = b"200 Watching\r\n"
+TOO_MANY_WATCHERS = b"413 Too Many Watchers\r\n"
+
+
+def cmd_watch(conn: Connection, args: Args, now: float) -> Reply:
+    """``watch [PREFIX]``: ``200 Watching``, a ``+`` line per hold under PREFIX,
+    ``SYNCED``; from then on the connection is an event stream
+    (:mod:`elockd.net.watching` sends it). The watcher is registered and the
+    snapshot's keys listed in this one step, so no event falls between them
+    (:func:`elockd.engine.watchers.snapshot`)."""
+    prefix = args.positional[0] if args.positional else b""
+    config, backend = conn.service.config, conn.backend
+    try:
+        keys = backend.watch_keys(prefix)
+    except NotImplementedError:
+        return WORD.unavailable
+    try:
+        watcher = backend.books.watchers.add(prefix, config.watch_buffer, config.max_watchers)
+    except TooManyWatchers:
+        conn.service.reports.refusal("--max-watchers", conn.peer)
+        return TOO_MANY_WATCHERS
+    conn.watcher = watcher
+    lines = snapshot(watcher, keys, backend.watch_lines)
+    return Streamed(chunked(_after(WATCHING, lines), b""))
+
+
+def _after(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    yield from rest

@@ -56,9 +56,11 @@ from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import (
     Backend,
     BackendUnavailable,
+    Evicted,
     Grant,
     Holders,
     KeyInfo,
+    KeyRows,
     Later,
     QueueFull,
     TooManyHolds,
@@ -150,6 +152,15 @@ class ClusterLockSpace(Backend):
             return await self.takeover.take_over(session_id, _ours(current))
 
         return Later(run)
+
+    def listing(
+        self, prefix: bytes, now: float, *, older: float | None, limit: int | None
+    ) -> KeyRows:
+        # Not yet on a cluster (issue 28): refused as etcd without quorum would be.
+        raise BackendUnavailable("ls is not implemented on a cluster yet")
+
+    def kill(self, key: bytes, now: float) -> list[Evicted]:
+        raise BackendUnavailable("kill is not implemented on a cluster yet")
 
     def rename(self, session: Session, name: bytes | None) -> Later[None]:
         return Later(lambda: self.recipe.rename(_ours(session), name))

@@ -1,0 +1,121 @@
+"""The ordered index of keys that ``ls`` reads: keys by byte order, kept lazily.
+
+``ls jobs/`` must cost O(keys under ``jobs/``), not O(every key), so the keys with a
+hold are kept sorted (a :class:`sortedcontainers.SortedList`: a prefix is two
+bisections away). Keeping it exact would put an insertion into it on every grant
+and a removal on every release, a few microseconds each, on the path that ``g``/``r``
+run a hundred thousand times a second. So it is kept lazily:
+
+* a key enters the index when it is granted and is not in it yet: the lock path pays
+  one set lookup (:attr:`KeyIndex.members`, tested inline by the engine) for a key
+  it has seen before, and nothing at all on release;
+* a key whose last hold went stays in the index (*stale*); whoever reads the index
+  asks the tables whether each key it meets is still live;
+* stale keys are swept away once the index holds more than twice the live keys
+  (plus :data:`SWEEP_SLACK`): the engine's deadline timer runs the sweep a slice at
+  a time (:meth:`sweep`), so no one request pays for it and the index stays within
+  about twice the live keys. A sweep walks the index once, so its cost, spread over
+  the new keys that made it due, is a constant per new key.
+
+After a hand-over the successor does not sort its million keys inside the pause: the
+index is marked :attr:`rebuild` and is built from the tables by the first reader
+(:meth:`ensure`).
+
+Pure: no trio, no clock; the engine tells it which keys are live.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+
+from sortedcontainers import SortedList
+
+#: Stale keys tolerated beyond the live ones before a sweep is due: a small table is
+#: never swept for a handful of keys.
+SWEEP_SLACK = 4096
+#: Keys read from the index at a time: what a reader holds between two looks, so a
+#: reader streaming a million keys holds this many, not a million.
+BATCH = 256
+
+
+class KeyIndex:
+    """Keys that had a hold since the last sweep, in byte order (see the module
+    docstring): a superset of the live keys."""
+
+    __slots__ = ("_cursor", "members", "ordered", "rebuild", "sweeping")
+
+    def __init__(self) -> None:
+        #: Every key in :attr:`ordered`: the engine tests ``key not in members``
+        #: inline on each grant (a set lookup in C), and calls :meth:`add` only then.
+        self.members: set[bytes] = set()
+        self.ordered: SortedList[bytes] = SortedList()
+        #: The index must be built from the tables before it is read (a hand-over's
+        #: successor: its tables were restored without it).
+        self.rebuild = False
+        #: A sweep is under way; :attr:`_cursor` is the last key it looked at.
+        self.sweeping = False
+        self._cursor: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, key: bytes, live: int) -> bool:
+        """Index a key not in :attr:`members`; ``live``: how many keys are live now.
+        True when this made a sweep due (the caller wakes its timer)."""
+        self.members.add(key)
+        self.ordered.add(key)
+        if self.sweeping or len(self.members) <= 2 * live + SWEEP_SLACK:
+            return False
+        self.sweeping = True
+        self._cursor = None
+        return True
+
+    def ensure(self, keys: Callable[[], Iterable[bytes]]) -> None:
+        """Build the index from ``keys()`` (every live key) if it is marked
+        :attr:`rebuild`; a no-op otherwise."""
+        if self.rebuild:
+            self.rebuild = False
+            self.members.update(keys())  # in place: the engine holds this set
+            self.ordered = SortedList(self.members)
+            self.sweeping = False
+
+    def starting_with(self, prefix: bytes) -> Iterator[list[bytes]]:
+        """The indexed keys that start with ``prefix``, in byte order, a batch at a
+        time. Each batch is read afresh after the one before (from just past its last
+        key), so the index may change between batches: a key present throughout is
+        met exactly once, as with ``d``."""
+        ordered_after = self.ordered.irange
+        batch = list(itertools.islice(ordered_after(prefix), BATCH))
+        while batch:
+            if not batch[-1].startswith(prefix):
+                yield [key for key in batch if key.startswith(prefix)]
+                return
+            yield batch
+            last = batch[-1]
+            batch = list(
+                itertools.islice(self.ordered.irange(last, inclusive=(False, True)), BATCH)
+            )
+
+    def sweep(self, is_live: Callable[[bytes], bool], budget: int) -> bool:
+        """Look at up to ``budget`` keys from where the sweep stopped, dropping those
+        not live; True while the sweep has more to do."""
+        if not self.sweeping:
+            return False
+        ordered = self.ordered
+        start = (
+            ordered.irange()
+            if self._cursor is None
+            else ordered.irange(self._cursor, inclusive=(False, True))
+        )
+        batch = list(itertools.islice(start, budget))
+        for key in batch:
+            if not is_live(key):
+                ordered.remove(key)
+                self.members.discard(key)
+        if len(batch) < budget:
+            self.sweeping = False
+            self._cursor = None
+            return False
+        self._cursor = batch[-1]
+        return True
