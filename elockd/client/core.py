@@ -55,7 +55,7 @@ DEFAULT_REPLY_TIMEOUT = 10.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
 
 #: Verbs whose reply is several lines ending in ``END`` (when not refused).
-MULTILINE_VERBS = frozenset({b"stats", b"q", b"d", b"sd", b"dump", b"who"})
+MULTILINE_VERBS = frozenset({b"stats", b"q", b"d", b"sd", b"dump", b"who", b"ls"})
 #: The server's answers to a missing or wrong ``auth`` token.
 AUTH_REFUSALS = frozenset({b"0 Auth Required", b"403 Auth Required", b"403 Bad Token"})
 #: A word verb's answer when a cluster node cannot reach etcd: nothing was granted,

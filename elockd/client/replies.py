@@ -47,6 +47,22 @@ def quoted(data: bytes) -> str:
     return f"'{printable(data)}'"
 
 
+#: The first line of an ``ls`` block: a row (``K exclusive=…``), or the line that
+#: says ``limit=`` cut the listing (``… more``).
+LS_FIRST_LINE = re.compile(rb"\S+ exclusive=|.* more\Z")
+
+
+def opens_block(first: bytes) -> bool:
+    """Whether ``first`` can start a multi-line reply: ``END`` (nothing listed), a
+    ``name: value`` line (``q d sd who``), ``200 STATS``, or an ``ls`` line."""
+    return (
+        first == b"END"
+        or b": " in first
+        or first == b"200 STATS"
+        or LS_FIRST_LINE.match(first) is not None
+    )
+
+
 def is_refusal(line: bytes) -> bool:
     """A one-line refusal that stands in for a multi-line reply."""
     return line in ONE_LINE_REFUSALS or line.startswith(b"400 ")
@@ -84,7 +100,7 @@ class ReplyReader:
                     raise self.foreign()
                 self.buffer.take(cut + 1)
                 return [first]
-            if not (first == b"END" or b": " in first or first == b"200 STATS"):
+            if not opens_block(first):
                 raise self.foreign()
             self._in_block = True
         return self._take_block()

@@ -103,15 +103,7 @@ class Client(ClientBase):
     async def start(self, nursery: trio.Nursery) -> None:
         """Connect, run the background tasks in ``nursery``, authenticate. Use this
         instead of ``async with`` when the client must outlive the calling task."""
-        try:
-            with trio.fail_after(self.connect_timeout):
-                self._stream = await self._open_stream(nursery)
-        except trio.TooSlowError as error:
-            raise ConnectFailed(
-                f"cannot connect to {self._where()}: timed out after {self.connect_timeout:g} s"
-            ) from error
-        except (OSError, trio.BrokenResourceError, ssl.SSLError, HandshakeError) as error:
-            raise ConnectFailed(f"cannot connect to {self._where()}: {describe(error)}") from error
+        self._stream = await self._connect_stream(nursery)
         for task in (self._reader, self._writer, self._timer):
             scope, done = trio.CancelScope(), trio.Event()
             self._scopes.append(scope)
@@ -131,6 +123,20 @@ class Client(ClientBase):
                         f"{self._where()}: no reply to 'auth' within {self.connect_timeout:g} s"
                     ) from error
                 raise
+
+    async def _connect_stream(self, nursery: trio.Nursery) -> trio.abc.Stream:
+        """The connection, within the connect timeout; any failure as
+        :class:`ConnectFailed` naming the server. (``elockctl watch`` opens its
+        event stream with it too: the same doors, the same words.)"""
+        try:
+            with trio.fail_after(self.connect_timeout):
+                return await self._open_stream(nursery)
+        except trio.TooSlowError as error:
+            raise ConnectFailed(
+                f"cannot connect to {self._where()}: timed out after {self.connect_timeout:g} s"
+            ) from error
+        except (OSError, trio.BrokenResourceError, ssl.SSLError, HandshakeError) as error:
+            raise ConnectFailed(f"cannot connect to {self._where()}: {describe(error)}") from error
 
     async def _open_stream(self, nursery: trio.Nursery) -> trio.abc.Stream:
         stream: trio.abc.Stream

@@ -20,6 +20,7 @@ from elockd.client.base import describe
 from elockd.client.core import encode_key, quoted
 from elockd.client.websocket import parse_url
 from elockd.ctl.argv import Scanner
+from elockd.ctl.operator_args import add_operator_parsers
 from elockd.ctl.status import EXIT_FALSE, EXIT_USAGE
 
 PROBE_VERBS = ("g", "r", "i", "sg", "sr", "si")
@@ -238,6 +239,7 @@ def build_parser() -> Parser:
     info.add_argument("--json", action="store_true", help="print a JSON object instead")
     dump = commands.add_parser("dump", help="every hold: 'KEY: OWNER' lines")
     dump.add_argument("--shared", action="store_true", help="shared holds instead of exclusive")
+    add_operator_parsers(commands)
     add_lock_parser(commands)
     add_throttle_parser(commands)
     upgrade = commands.add_parser(
@@ -424,8 +426,10 @@ def parse(parser: Parser, raw: list[str]) -> argparse.Namespace:
         check_lock_args(parser.commands["lock"], args, arranged.tail or [])
     elif args.command == "throttle":
         check_throttle_args(parser.commands["throttle"], args, arranged.tail or [])
-    elif args.command == "info":
-        check_key(parser.commands["info"], args.key)
+    elif args.command in ("info", "kill"):
+        check_key(parser.commands[args.command], args.key)
+    elif args.command in ("ls", "watch", "top") and args.prefix:
+        check_key(parser.commands[args.command], args.prefix, "prefix")
     elif args.command in PROBE_VERBS and any(c in word for word in args.key for c in "\r\n"):
         parser.commands[args.command].error("a key cannot hold a line end")
     return args
@@ -450,13 +454,14 @@ def quoted_words(words: list[str]) -> str:
     return " ".join(shlex.quote(word) for word in words)
 
 
-def check_key(parser: Parser, key: str) -> None:
-    """A word-family key is one word: say so before connecting, as a usage error."""
+def check_key(parser: Parser, key: str, what: str = "key") -> None:
+    """A word-family key (or prefix) is one word: say so before connecting, as a
+    usage error."""
     try:
         encode_key(key)
     except ValueError:
         parser.error(
-            f"key {quoted(key.encode())} cannot be sent: a key is one word, "
+            f"{what} {quoted(key.encode())} cannot be sent: a {what} is one word, "
             "not empty, without blanks or line ends"
         )
 
@@ -476,6 +481,10 @@ def client_options(parser: Parser, args: argparse.Namespace) -> dict[str, Any]:
         options["server_hostname"] = args.tls_server_name
     if args.auth_token_file:
         options["auth_token"] = read_token(parser, args.auth_token_file)
+    if args.command == "kill":  # the admin token passes wherever auth's does
+        options["auth_token"] = read_token(
+            parser.commands["kill"], args.admin_token_file, "--admin-token-file"
+        )
     return options
 
 
@@ -527,12 +536,12 @@ def tls_context(parser: Parser, args: argparse.Namespace) -> ssl.SSLContext:
     return context
 
 
-def read_token(parser: Parser, path: str) -> bytes:
+def read_token(parser: Parser, path: str, flag: str = "--auth-token-file") -> bytes:
     try:
         with open(path, "rb") as file:
             token = file.read().strip()
     except OSError as error:
-        parser.error(f"--auth-token-file {path}: {describe(error)}")
+        parser.error(f"{flag} {path}: {describe(error)}")
     if not token or b"\n" in token or b"\r" in token:
-        parser.error(f"--auth-token-file {path}: the token must be one line, not empty")
+        parser.error(f"{flag} {path}: the token must be one line, not empty")
     return token

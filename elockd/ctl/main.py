@@ -2,7 +2,9 @@
 
 One-liners (``g r i sg sr si q``, ``stats``, ``info``, ``dump``) use the blocking
 client: a connection, one request, done. ``lock`` is :mod:`elockd.ctl.lock`,
-``throttle`` :mod:`elockd.ctl.throttle`, the command line :mod:`elockd.ctl.args`,
+``throttle`` :mod:`elockd.ctl.throttle`, the operators' ``ls``/``kill``
+:mod:`elockd.ctl.operate`, ``watch`` :mod:`elockd.ctl.watch`, ``top``
+:mod:`elockd.ctl.top`, the command line :mod:`elockd.ctl.args`,
 the exit statuses :mod:`elockd.ctl.status`.
 Whatever goes wrong is said in one line that names the server, never a traceback.
 """
@@ -24,6 +26,7 @@ from elockd.client.core import printable, quoted, terse_answer
 from elockd.ctl.args import PROBE_VERBS, build_parser, client_options, parse
 from elockd.ctl.doors import hint
 from elockd.ctl.lock import run_locked
+from elockd.ctl.operate import run_kill, run_ls
 from elockd.ctl.status import (
     EXIT_FALSE,
     EXIT_INTERRUPTED,
@@ -34,7 +37,14 @@ from elockd.ctl.status import (
     where,
 )
 from elockd.ctl.throttle import run_throttled
+from elockd.ctl.top import run_top
 from elockd.ctl.upgrade import run_upgrade
+from elockd.ctl.watch import run_watch
+
+#: Commands that run until Ctrl-C: it is how they end, so it is exit 0, quietly.
+UNTIL_INTERRUPTED = frozenset({"watch", "top"})
+#: The operators' commands, each its own runner.
+OPERATOR_COMMANDS = {"ls": run_ls, "kill": run_kill, "watch": run_watch, "top": run_top}
 
 #: Probes that take a hold, which ends as soon as elockctl's connection does.
 HOLDING_PROBES = frozenset({"g", "sg"})
@@ -54,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return trio.run(run_throttled, args, options)
         if args.command == "upgrade":
             return run_upgrade(args)
+        if args.command in OPERATOR_COMMANDS:
+            return OPERATOR_COMMANDS[args.command](args, options)
         return run_one_liner(args, options)
     except BrokenPipeError:  # `elockctl stats | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -61,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (Exception, KeyboardInterrupt, BaseExceptionGroup) as error:  # see failure()
         status, message = failure(error, where(options))
         if status == EXIT_INTERRUPTED:
-            return die_interrupted()
+            return 0 if args.command in UNTIL_INTERRUPTED else die_interrupted()
         if message:
             say(message + hint(chosen(error), options, bool(args.tls_cert)))
         return status
