@@ -63,6 +63,18 @@ class ThrottleWait(Later[Verdict]):
         self.waiter = waiter
 
 
+async def until_woken(waiter: Waiter | ThrottleWaiter) -> None:
+    """Sleep until the engine wakes ``waiter`` (its wait ended, either way); at once
+    when it has already ended."""
+    if waiter.waiting:
+        woken = trio.Event()
+        waiter.wake = woken.set
+        try:
+            await woken.wait()
+        finally:
+            waiter.wake = None
+
+
 class MemoryBackend(LockEngine, Backend):
     """Every lock in this process's memory; see :class:`~elockd.engine.locks.LockEngine`.
     The engine keeps its own books: it is its :class:`~elockd.engine.bookkeeping.Bookkeeping`."""
@@ -231,13 +243,7 @@ class MemoryBackend(LockEngine, Backend):
         taken over from a predecessor, docs/upgrade.md)."""
 
         async def granted_or_not() -> Grant:
-            if waiter.waiting:
-                woken = trio.Event()
-                waiter.wake = woken.set
-                try:
-                    await woken.wait()  # the engine wakes it: granted, or timed out
-                finally:
-                    waiter.wake = None
+            await until_woken(waiter)  # the engine wakes it: granted, or timed out
             return self._outcome(waiter)
 
         return Wait(granted_or_not, waiter)
@@ -247,13 +253,7 @@ class MemoryBackend(LockEngine, Backend):
         one taken over from a predecessor)."""
 
         async def admitted_or_not() -> Verdict:
-            if waiter.waiting:
-                woken = trio.Event()
-                waiter.wake = woken.set
-                try:
-                    await woken.wait()  # the table wakes it: admitted, or timed out
-                finally:
-                    waiter.wake = None
+            await until_woken(waiter)  # the table wakes it: admitted, or timed out
             assert waiter.verdict is not None
             return waiter.verdict
 
