@@ -217,7 +217,7 @@ async def test_values_move_as_clients_lock_and_release(
     assert value(after, "elockd_orphans_total", kind="exclusive") == 1
     assert value(after, "elockd_orphans_total", kind="shared") == 1
     assert value(after, "elockd_holders", kind="shared") == 1
-    assert value(after, "elockd_wait_seconds_count", kind="exclusive") == 1
+    assert value(after, "elockd_lock_wait_seconds_count", kind="exclusive") == 1
     # Every q counter has its metric, with the same value.
     q = await b.stats()
     assert value(after, "elockd_keys", kind="exclusive") == q["locks"]
@@ -244,15 +244,15 @@ async def test_wait_and_hold_histograms(
     def bucket(name: str, kind: str, le: str) -> float:
         return value(samples, f"{name}_bucket", kind=kind, le=le)
 
-    assert bucket("elockd_wait_seconds", "exclusive", "2.5") == 0
-    assert bucket("elockd_wait_seconds", "exclusive", "5.0") == 1
-    assert value(samples, "elockd_wait_seconds_sum", kind="exclusive") == pytest.approx(3)
-    assert value(samples, "elockd_wait_seconds_count", kind="shared") == 0
-    assert bucket("elockd_hold_seconds", "exclusive", "1.0") == 0  # a held k 3 s
-    assert bucket("elockd_hold_seconds", "exclusive", "10.0") == 1
-    assert bucket("elockd_hold_seconds", "shared", "60.0") == 0  # b held s 120 s
-    assert bucket("elockd_hold_seconds", "shared", "300.0") == 1
-    assert value(samples, "elockd_hold_seconds_count", kind="shared") == 1
+    assert bucket("elockd_lock_wait_seconds", "exclusive", "2.5") == 0
+    assert bucket("elockd_lock_wait_seconds", "exclusive", "5.0") == 1
+    assert value(samples, "elockd_lock_wait_seconds_sum", kind="exclusive") == pytest.approx(3)
+    assert value(samples, "elockd_lock_wait_seconds_count", kind="shared") == 0
+    assert bucket("elockd_lock_hold_seconds", "exclusive", "1.0") == 0  # a held k 3 s
+    assert bucket("elockd_lock_hold_seconds", "exclusive", "10.0") == 1
+    assert bucket("elockd_lock_hold_seconds", "shared", "60.0") == 0  # b held s 120 s
+    assert bucket("elockd_lock_hold_seconds", "shared", "300.0") == 1
+    assert value(samples, "elockd_lock_hold_seconds_count", kind="shared") == 1
 
 
 async def test_throttle_gauge_counters_and_wait_kind(
@@ -272,15 +272,15 @@ async def test_throttle_gauge_counters_and_wait_kind(
     assert value(during, "elockd_throttles") == 2
     assert value(during, "elockd_admitted_total") == 2
     assert value(during, "elockd_throttled_total") == 1
-    assert value(during, "elockd_wait_seconds_count", kind="throttle") == 0
+    assert value(during, "elockd_lock_wait_seconds_count", kind="throttle") == 0
     await trio.sleep(10)
     assert (await b.line()).startswith(b"200 ")
     samples = await scrape(port)
     assert value(samples, "elockd_admitted_total") == 3
-    assert value(samples, "elockd_wait_seconds_bucket", kind="throttle", le="5.0") == 0
-    assert value(samples, "elockd_wait_seconds_bucket", kind="throttle", le="10.0") == 1
-    assert value(samples, "elockd_wait_seconds_sum", kind="throttle") == pytest.approx(10)
-    assert value(samples, "elockd_wait_seconds_count", kind="exclusive") == 0
+    assert value(samples, "elockd_lock_wait_seconds_bucket", kind="throttle", le="5.0") == 0
+    assert value(samples, "elockd_lock_wait_seconds_bucket", kind="throttle", le="10.0") == 1
+    assert value(samples, "elockd_lock_wait_seconds_sum", kind="throttle") == pytest.approx(10)
+    assert value(samples, "elockd_lock_wait_seconds_count", kind="exclusive") == 0
     q = await a.stats()
     assert value(samples, "elockd_throttles") == q["throttles"]
     assert value(samples, "elockd_admitted_total") == q["admitted"]
@@ -396,8 +396,8 @@ def test_promtool_check_metrics_passes_on_a_real_scrape(busy_scrape: str) -> Non
     samples = parse(busy_scrape)
     assert value(samples, "elockd_wait_timeouts_total") == 2
     assert value(samples, "elockd_throttled_total") == 1
-    assert value(samples, "elockd_wait_seconds_count", kind="throttle") == 1
-    assert value(samples, "elockd_wait_seconds_count", kind="shared") == 1
+    assert value(samples, "elockd_lock_wait_seconds_count", kind="throttle") == 1
+    assert value(samples, "elockd_lock_wait_seconds_count", kind="shared") == 1
     result = subprocess.run(
         [tool("promtool"), "check", "metrics"],
         input=busy_scrape,
@@ -476,7 +476,7 @@ def test_hold_and_wait_hooks_are_wired_only_for_a_metrics_registry() -> None:
 
 
 def test_dashboard_shows_p50_and_p99_of_lock_wait_and_hold_by_kind() -> None:
-    """The wait and hold histograms (``elockd_wait_seconds``, ``elockd_hold_seconds``)
+    """The wait and hold histograms (``elockd_lock_wait_seconds``, ``elockd_lock_hold_seconds``)
     each have a panel with their p50 and p99, one line per ``kind``."""
     dashboard = json.loads(DASHBOARD.read_text())
     quantiles: dict[str, set[str]] = {}
@@ -484,7 +484,7 @@ def test_dashboard_shows_p50_and_p99_of_lock_wait_and_hold_by_kind() -> None:
         for target in panel["targets"]:
             found = re.fullmatch(
                 r"histogram_quantile\((0\.5|0\.99), sum by \(kind, le\) "
-                r"\(rate\(elockd_(wait|hold)_seconds_bucket\{[^}]*\}\[\$__rate_interval\]\)\)\)",
+                r"\(rate\(elockd_lock_(wait|hold)_seconds_bucket\{[^}]*\}\[\$__rate_interval\]\)\)\)",
                 target["expr"],
             )
             if found:
@@ -498,5 +498,5 @@ def test_the_lock_wait_alert_is_p99_above_10s_for_10_minutes() -> None:
     test_alert_rules_config_and_rule_unit_tests)."""
     text = (PROMETHEUS_DIR / "elockd-alerts.yml").read_text()
     rule = text.split("- alert: ElockdLockWaitP99High", 1)[1].split("- alert:", 1)[0]
-    assert "histogram_quantile(0.99," in rule and "elockd_wait_seconds_bucket" in rule
+    assert "histogram_quantile(0.99," in rule and "elockd_lock_wait_seconds_bucket" in rule
     assert re.search(r"\)\s*> 10\n", rule) and "for: 10m" in rule

@@ -183,12 +183,12 @@ class ElockdCollector(Collector):
             commands.add_metric([verb.decode("ascii")], count)
         yield commands
         yield histogram(
-            "elockd_wait_seconds",
+            "elockd_lock_wait_seconds",
             "Time requests that waited spent waiting, granted or not.",
             timings.wait,
         )
         yield histogram(
-            "elockd_hold_seconds",
+            "elockd_lock_hold_seconds",
             "How long holds lasted, from grant to release, disconnect or expiry.",
             timings.hold,
         )
