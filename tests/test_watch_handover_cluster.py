@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from tests.support.cluster_nodes import Node, Nodes
 from tests.support.line_client import LineClient
 from tests.support.polling import eventually
 from tests.support.server_process import stop_server
-from tests.test_handover import ask, take_over, wait_exit
+from tests.test_handover import FAKE_SUCCESSOR, ask, take_over, wait_exit
 
 pytestmark = pytest.mark.cluster
 
@@ -181,6 +182,20 @@ class Looper:
             self.rounds += 1
 
 
+async def ends_as_etcd_says(
+    nodes: Nodes, other: Node, watcher: LineClient, seen: list[bytes], since: int, then: list[str]
+) -> None:
+    """Take and free the marker through ``other`` and read the watcher up to its
+    free: after the lines already ``seen`` come ``then`` (sign and key, ``+ w/a``)
+    and the marker's; and the whole stream is etcd's history since ``since``."""
+    already = len(seen)
+    await marker(other)
+    await read_until_marker(watcher, seen)
+    shown = [b" ".join(line.split(b" ", 2)[:2]).decode() for line in seen[already:]]
+    assert shown == [*then, f"+ {MARKER.decode()}", f"- {MARKER.decode()}"], seen
+    assert_same_stream(seen, await etcd_truth(nodes, since))
+
+
 def assert_same_stream(seen: list[bytes], truth: list[bytes]) -> None:
     """The watcher's lines are etcd's, exactly: first difference named."""
     for number, (got, want) in enumerate(zip(seen, truth, strict=False)):
@@ -239,7 +254,7 @@ async def test_a_moved_watcher_gets_every_change_of_both_nodes_once_in_revision_
         truth = await etcd_truth(nodes, since)
         print(f"{len(truth)} events, rounds {after}")
         assert_same_stream(seen, truth)
-        # The client's own count: a grant and a free per round of a watched key.
+        # The clients' own count: a grant and a free per round of a watched key.
         assert len(truth) == 2 * (sum(after) - after[2]) + 2
         assert (await (await first.connect()).stats())["handovers"] == 1
     finally:
@@ -386,18 +401,8 @@ async def test_a_lock_taken_and_freed_elsewhere_during_the_pause_reaches_the_mov
     try:
         with trio.fail_after(5):
             assert await here.line() == b"200 PONG\r\n"
-        paused_at = len(seen)
-        await marker(other)
-        await read_until_marker(watcher, seen)
-        assert [line.split(b" ", 2)[:2] for line in seen[paused_at:]] == [
-            [b"+", b"w/paused"],
-            [b"-", b"w/paused"],
-            [b"-", b"w/kept"],
-            [b"-", b"w/victim"],
-            [b"+", MARKER],
-            [b"-", MARKER],
-        ], seen
-        assert_same_stream(seen, await etcd_truth(nodes, since))
+        then = ["+ w/paused", "- w/paused", "- w/kept", "- w/victim"]
+        await ends_as_etcd_says(nodes, other, watcher, seen, since, then)
         assert seen[-3].endswith(b" killed\r\n")
         # The successor dropped the killed hold: its session holds the key no more.
         assert (await ask(victim, b"token w/victim")).startswith(b"403 ")
@@ -443,3 +448,44 @@ async def test_a_compaction_during_the_pause_ends_the_moved_watch_with_overflow(
         assert any("cannot replay the watch from revision" in line for line in first.log)
     finally:
         stop_server(new)
+
+
+async def test_a_failed_hand_over_sends_what_was_held_back_once(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """The successor reads the state and never says ``ready``: the node thaws after
+    ``--handover-timeout`` and sends its watcher what changed through the other
+    node during the pause (a kill of its own hold among it), once, in order."""
+    control = tmp_path / "control.sock"
+    admin_file = tmp_path / "admin"
+    admin_file.write_text("op-token\n")
+    first = nodes.start("--control-socket", str(control), "--handover-timeout", "1")
+    other = nodes.start("--admin-token-file", str(admin_file))
+    since = await current_revision(nodes)
+    watcher = await open_watch(first.port)
+    victim, there, admin = await first.connect(), await other.connect(), await other.connect()
+    assert await ask(admin, b"auth op-token") == b"200 OK\r\n"
+    assert await ask(victim, b"lock w/victim") == b"200 Acquired\r\n"
+    with trio.fail_after(5):
+        seen = [await watcher.line()]
+    assert seen[0].startswith(b"+ w/victim ")
+    fake = await trio.lowlevel.open_process(
+        [sys.executable, FAKE_SUCCESSOR, str(control), "never-ready"], stdout=subprocess.PIPE
+    )
+    assert fake.stdout is not None
+    output = b""
+    with trio.fail_after(10):
+        while b"state received" not in output:
+            output += await fake.stdout.receive_some()
+        # The node is paused until it gives up on the successor.
+        assert await ask(there, b"lock w/paused") == b"200 Acquired\r\n"
+        assert await ask(there, b"unlock w/paused") == b"200 Unlocked\r\n"
+        assert await ask(admin, b"kill w/victim") == b"200 Killed 1\r\n"
+        while chunk := await fake.stdout.receive_some():
+            output += chunk
+        assert await fake.wait() == 0, output
+    assert first.process.poll() is None
+    then = ["+ w/paused", "- w/paused", "- w/victim"]
+    await ends_as_etcd_says(nodes, other, watcher, seen, since, then)
+    assert seen[-3].endswith(b" killed\r\n")
+    assert (await ask(victim, b"token w/victim")).startswith(b"403 ")
