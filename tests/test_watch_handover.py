@@ -79,3 +79,38 @@ async def test_a_watcher_moves_with_no_gap_and_no_duplicate(tmp_path: Path) -> N
             assert (await (await connect(port)).stats())["handovers"] == 1
         finally:
             stop_server(new)
+
+
+async def test_an_operators_mark_moves_only_to_a_successor_that_has_an_admin_token(
+    tmp_path: Path,
+) -> None:
+    """An operator's connection keeps its mark across a hand-over to a successor with
+    --admin-token-file (it may still `kill`), a plain one never gains it, and a
+    successor started without the flag honours "without that flag `kill` is always
+    403": the moved operator's mark is dropped."""
+    admin_file = tmp_path / "admin"
+    admin_file.write_bytes(b"admin-token\n")
+    control = tmp_path / "control.sock"
+    with old_server(control, "--admin-token-file", str(admin_file)) as (old, port):
+        operator, plain, holder = [await connect(port) for _ in range(3)]
+        assert await ask(operator, b"auth admin-token") == b"200 OK\r\n"
+        assert await ask(holder, b"lock k") == b"200 Acquired\r\n"
+        assert await ask(plain, b"kill k") == b"403 Forbidden\r\n"
+        middle = await trio.to_thread.run_sync(
+            lambda: take_over(control, "--admin-token-file", str(admin_file))
+        )
+        try:
+            assert await wait_exit(old, 10) == 0
+            assert await ask(plain, b"kill k") == b"403 Forbidden\r\n"
+            assert await ask(operator, b"kill k") == b"200 Killed 1\r\n"
+            assert await ask(holder, b"lock k") == b"200 Acquired\r\n"
+            last = await trio.to_thread.run_sync(lambda: take_over(control))
+        except BaseException:
+            stop_server(middle)
+            raise
+        try:
+            assert await wait_exit(middle, 10) == 0
+            assert await ask(operator, b"kill k") == b"403 Forbidden\r\n"
+            assert await ask(holder, b"token k") != b"403 Not Locked\r\n"
+        finally:
+            stop_server(last)

@@ -342,3 +342,26 @@ async def test_pings_are_answered_and_an_upgrade_must_open_its_connection(
         received += await stream.receive_some(4096)
     assert received.startswith(b"HTTP/1.1 403 "), received
     await stream.aclose()
+
+
+async def test_kill_over_the_websocket_needs_the_admin_token(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The WebSocket door is no way round --admin-token-file: a session that passed
+    `auth` with the lock token gets 403 for `kill`, one with the admin token kills."""
+    (tmp_path / "token").write_text("lock-token\n")
+    (tmp_path / "admin").write_text("admin-token\n")
+    server = await start(
+        nursery,
+        auth_token_file=str(tmp_path / "token"),
+        admin_token_file=str(tmp_path / "admin"),
+        auth_failure_delay=0.01,
+    )
+    async with websocket(server.url) as holder, websocket(server.url) as operator:
+        assert await ask(holder, "auth lock-token") == "200 OK\r\n"
+        assert await ask(holder, "lock k") == "200 Acquired\r\n"
+        assert await ask(holder, "kill k") == "403 Forbidden\r\n"
+        assert await ask(operator, "kill k") == "403 Auth Required\r\n"
+        assert await ask(operator, "auth admin-token") == "200 OK\r\n"
+        assert await ask(operator, "kill k") == "200 Killed 1\r\n"
+        assert await ask(holder, "token k") == "403 Not Locked\r\n"

@@ -238,9 +238,12 @@ class Backend(ABC):
 
     # ``watch`` (elockd.engine.watchers): the backend reports every grant and free
     # to ``books.watchers``; a new watcher first gets a snapshot, from here.
-    def watch_keys(self, prefix: bytes) -> list[bytes]:
-        """The keys held now (either way) that start with ``prefix``: what a new
-        watcher's snapshot will show, listed in the step that registers it."""
+    def watch_keys(self, prefix: bytes, after: bytes | None, count: int) -> list[bytes]:
+        """Up to ``count`` keys that start with ``prefix``, in byte order, from the
+        first (``after`` None) or just past ``after``: every key held now among them,
+        and perhaps some no longer held (they show no line). A new watcher's snapshot
+        reads them a batch at a time (:func:`elockd.engine.watchers.snapshot`), so
+        it costs the keys under its prefix and holds one batch of them."""
         raise NotImplementedError(f"{self.kind} backend: watch")
 
     def watch_lines(self, key: bytes) -> list[bytes]:

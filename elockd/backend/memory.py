@@ -165,12 +165,10 @@ class MemoryBackend(LockEngine, Backend):
                 found.ttl = max(0.0, hold.lease_deadline - now)
         return found
 
-    def watch_keys(self, prefix: bytes) -> list[bytes]:
-        """O(all keys): a scan of both tables (an ordered table would make it
-        O(matching keys))."""
-        keys = dict.fromkeys(k for k in self.exclusive if k.startswith(prefix))
-        keys.update(dict.fromkeys(k for k in self.shared if k.startswith(prefix)))
-        return sorted(keys)
+    def watch_keys(self, prefix: bytes, after: bytes | None, count: int) -> list[bytes]:
+        """From the ordered key index, as ``ls`` reads it: O(keys under ``prefix``)."""
+        self.index.ensure(lambda: itertools.chain(self.exclusive, self.shared))
+        return self.index.keys_after(prefix, after, count)
 
     def watch_lines(self, key: bytes) -> list[bytes]:
         lines = [

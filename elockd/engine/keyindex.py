@@ -97,6 +97,20 @@ class KeyIndex:
                 itertools.islice(self.ordered.irange(last, inclusive=(False, True)), BATCH)
             )
 
+    def keys_after(self, prefix: bytes, after: bytes | None, count: int) -> list[bytes]:
+        """Up to ``count`` indexed keys that start with ``prefix``, in byte order, from
+        the first (``after`` None) or just past ``after``: a reader that goes on from
+        its last key meets every key indexed before it gets there, one batch held at
+        a time (a ``watch`` snapshot, :func:`elockd.engine.watchers.snapshot`)."""
+        ordered = self.ordered
+        start = (
+            ordered.irange(prefix)
+            if after is None
+            else ordered.irange(after, inclusive=(False, True))
+        )
+        within = itertools.takewhile(lambda key: key.startswith(prefix), start)
+        return list(itertools.islice(within, count))
+
     def sweep(self, is_live: Callable[[bytes], bool], budget: int) -> bool:
         """Look at up to ``budget`` keys from where the sweep stopped, dropping those
         not live; True while the sweep has more to do."""

@@ -57,12 +57,23 @@ class Watcher:
 
     ``unsent`` counts the bytes of events appended and not yet sent (those in
     ``lines`` and those its connection has taken but not yet seen go out): the
-    connection lowers it by :meth:`sent` once a send returns. ``unsynced``, while
-    the snapshot is being sent, holds the keys the snapshot has still to show:
-    events on them are dropped, since the snapshot shows those keys as they are
-    when their turn comes (see :meth:`Watchers.add`)."""
+    connection lowers it by :meth:`sent` once a send returns. While the snapshot is
+    being sent, ``unsynced`` holds the keys of the batch it read that it has still
+    to show, and ``horizon`` the last key of that batch (None: no key is read after
+    it): events on those keys, and on keys past the horizon, are dropped, since the
+    snapshot shows those keys as they are when their turn comes (see
+    :func:`snapshot`)."""
 
-    __slots__ = ("limit", "lines", "overflowed", "prefix", "unsent", "unsynced", "wake")
+    __slots__ = (
+        "horizon",
+        "limit",
+        "lines",
+        "overflowed",
+        "prefix",
+        "unsent",
+        "unsynced",
+        "wake",
+    )
 
     def __init__(self, prefix: bytes, limit: int) -> None:
         self.prefix = prefix
@@ -71,6 +82,7 @@ class Watcher:
         self.unsent = 0
         self.overflowed = False
         self.unsynced: set[bytes] | None = None
+        self.horizon: bytes | None = None
         #: Called when the first event of a batch arrives, or on overflow.
         self.wake: Callable[[], None] | None = None
 
@@ -82,7 +94,9 @@ class Watcher:
         """Append one event on ``key``; False when it overflowed the watcher (the
         caller drops it from the registry)."""
         unsynced = self.unsynced
-        if unsynced is not None and key in unsynced:
+        if unsynced is not None and (
+            key in unsynced or (self.horizon is not None and key > self.horizon)
+        ):
             return True  # the snapshot will show this key as it is then
         self.unsent += len(line)
         if self.unsent > self.limit:
@@ -190,32 +204,52 @@ class Watchers:
             self.send(watchers, key, free_line(key, owner, shared, holders, why))
 
 
-def snapshot(
-    watcher: Watcher, keys: list[bytes], lines_of: Callable[[bytes], Iterable[bytes]]
-) -> Iterator[bytes]:
-    """The ``+`` lines of the holds on ``keys`` (those matching the watcher's prefix,
-    listed in the same step as the watcher was registered), each key's read when
-    its turn comes, then ``SYNCED``.
+#: Keys a snapshot reads at a time: what it holds of the key space meanwhile.
+SNAPSHOT_BATCH = 256
 
-    From this call until the snapshot is sent, events on a key still to be shown
-    are dropped (the snapshot shows that key as it is when its turn comes), and
-    events on every other key are queued: so the snapshot and the events after it
-    add up to the tables exactly, with nothing missed and nothing twice, however
-    long the snapshot takes to send. It costs a set of the matching keys while it
-    runs (a watcher of everything on a million keys: tens of MB meanwhile)."""
-    watcher.unsynced = set(keys)
-    return _snapshot_lines(watcher, keys, lines_of)
+
+def snapshot(
+    watcher: Watcher,
+    read: Callable[[bytes | None, int], list[bytes]],
+    lines_of: Callable[[bytes], Iterable[bytes]],
+) -> Iterator[bytes]:
+    """The ``+`` lines of the holds under the watcher's prefix, each key's read when
+    its turn comes, then ``SYNCED``; call it in the step that registers the watcher.
+
+    ``read(after, count)`` gives up to ``count`` keys under the prefix in byte order
+    from just past ``after`` (None: from the first): every key held then among them.
+    The snapshot reads :data:`SNAPSHOT_BATCH` keys at a time, so it holds one batch,
+    not the key space (a watcher of a million keys would hold tens of MB, outside
+    ``--watch-buffer``), and costs the keys under its prefix.
+
+    While it runs, an event on a key it has still to show is dropped: a key of the
+    batch not shown yet, or a key past the batch's last one, which a later read
+    meets if it is still held. Every other event (a key shown, or new within a
+    stretch already read) is queued. So the snapshot and the events after it add
+    up to the tables exactly, nothing missed and nothing twice, however long the
+    snapshot takes to send."""
+    watcher.unsynced, watcher.horizon = set(), b""  # nothing read: every key is ahead
+    return _snapshot_lines(watcher, read, lines_of)
 
 
 def _snapshot_lines(
-    watcher: Watcher, keys: list[bytes], lines_of: Callable[[bytes], Iterable[bytes]]
+    watcher: Watcher,
+    read: Callable[[bytes | None, int], list[bytes]],
+    lines_of: Callable[[bytes], Iterable[bytes]],
 ) -> Iterator[bytes]:
-    pending = watcher.unsynced
+    after: bytes | None = None
     try:
-        for key in keys:
-            if pending is not None:
+        while True:
+            batch = read(after, SNAPSHOT_BATCH)
+            last = len(batch) < SNAPSHOT_BATCH  # no key past it: none is ahead now
+            pending = set(batch)
+            watcher.unsynced, watcher.horizon = pending, None if last else batch[-1]
+            for key in batch:
                 pending.discard(key)
-            yield from lines_of(key)
+                yield from lines_of(key)
+            if last:
+                break
+            after = batch[-1]
     finally:
-        watcher.unsynced = None
+        watcher.unsynced = watcher.horizon = None
     yield SYNCED

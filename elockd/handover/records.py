@@ -189,7 +189,9 @@ def rebuild_connections(
             conn = Connection(service, peer, session)
             if record["authenticated"]:
                 conn.authenticate()
-            conn.admin = record.get("admin", False)  # none in a state from before kill
+            # None in a state from before kill. A successor started without
+            # --admin-token-file lets no connection kill, a moved one included.
+            conn.admin = bool(record.get("admin")) and service.admin_token is not None
             if record["named"] is not None:
                 named.append((record["named"], conn))
             if record["pending"] is not None:

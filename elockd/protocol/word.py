@@ -338,13 +338,13 @@ TOO_MANY_WATCHERS = b"413 Too Many Watchers\r\n"
 def cmd_watch(conn: Connection, args: Args, now: float) -> Reply:
     """``watch [PREFIX]``: ``200 Watching``, a ``+`` line per hold under PREFIX,
     ``SYNCED``; from then on the connection is an event stream
-    (:mod:`elockd.net.watching` sends it). The watcher is registered and the
-    snapshot's keys listed in this one step, so no event falls between them
-    (:func:`elockd.engine.watchers.snapshot`)."""
+    (:mod:`elockd.net.watching` sends it). From the watcher's registration on, the
+    snapshot and the events add up to the tables, whatever changes while the
+    snapshot is sent (:func:`elockd.engine.watchers.snapshot`)."""
     prefix = args.positional[0] if args.positional else b""
     config, backend = conn.service.config, conn.backend
     try:
-        keys = backend.watch_keys(prefix)
+        backend.watch_keys(prefix, None, 0)
     except NotImplementedError:
         return WORD.unavailable
     try:
@@ -353,7 +353,9 @@ def cmd_watch(conn: Connection, args: Args, now: float) -> Reply:
         conn.service.reports.refusal("--max-watchers", conn.peer)
         return TOO_MANY_WATCHERS
     conn.watcher = watcher
-    lines = snapshot(watcher, keys, backend.watch_lines)
+    lines = snapshot(
+        watcher, lambda after, count: backend.watch_keys(prefix, after, count), backend.watch_lines
+    )
     return Streamed(chunked(_after(WATCHING, lines), b""))
 
 

@@ -195,14 +195,10 @@ class ClusterOperators:
             found.extend((SHARED, e) for e in shared.in_order() if e.holding)
         return found
 
-    def watch_keys(self, prefix: bytes) -> list[bytes]:
-        """The keys under ``prefix`` with a hold, in byte order (O(keys under it))."""
-        return [
-            key
-            for batch in self.mirror.names.starting_with(prefix)
-            for key in batch
-            if self.held(key)
-        ]
+    def watch_keys(self, prefix: bytes, after: bytes | None, count: int) -> list[bytes]:
+        """The mirror's lock names under ``prefix`` (O(keys under it)); a name with
+        waiters and no hold shows no line."""
+        return self.mirror.names.keys_after(prefix, after, count)
 
     def watch_lines(self, key: bytes) -> list[bytes]:
         lines = []

@@ -167,8 +167,8 @@ class ClusterLockSpace(Backend):
     def kill(self, key: bytes, now: float) -> Later[list[Evicted]]:
         return Later(lambda: self.operators.kill(key))
 
-    def watch_keys(self, prefix: bytes) -> list[bytes]:
-        return self.operators.watch_keys(prefix)
+    def watch_keys(self, prefix: bytes, after: bytes | None, count: int) -> list[bytes]:
+        return self.operators.watch_keys(prefix, after, count)
 
     def watch_lines(self, key: bytes) -> list[bytes]:
         return self.operators.watch_lines(key)
