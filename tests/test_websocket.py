@@ -167,12 +167,13 @@ async def test_the_idle_timeout_applies_to_websocket_sessions(
             await ws.get_message()
 
 
-async def upgrade_status(port: int, *headers: bytes) -> bytes:
-    """The status line of a raw upgrade request to ``port`` with ``headers`` added."""
+async def upgrade_status(port: int, *headers: bytes, host: bytes = b"127.0.0.1") -> bytes:
+    """The status line of a raw upgrade request to ``port`` with ``headers`` added,
+    sent as a browser that reached the port by the name ``host`` would."""
     raw = trio.socket.socket()
     await raw.connect(("127.0.0.1", port))
     await raw.send(
-        b"GET / HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nUpgrade: websocket\r\n" % port
+        b"GET / HTTP/1.1\r\nHost: %s:%d\r\nUpgrade: websocket\r\n" % (host, port)
         + b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
         + b"Sec-WebSocket-Version: 13\r\n"
         + b"".join(header + b"\r\n" for header in headers)
@@ -192,6 +193,25 @@ async def test_a_page_of_another_site_cannot_open_a_lock_session(nursery: trio.N
     assert b" 403 " in await upgrade_status(port, b"Origin: http://127.0.0.1:%d" % (port + 1))
     assert b" 101 " in await upgrade_status(port, b"Origin: http://127.0.0.1:%d" % port)
     assert b" 101 " in await upgrade_status(port)  # not a browser: no Origin
+
+
+async def test_a_rebound_name_cannot_open_a_lock_session(nursery: trio.Nursery) -> None:
+    """DNS rebinding: a site points its own name at 127.0.0.1, so its page's Origin
+    and Host agree. A browser reaches the port only by a name it is known by: an IP
+    address, localhost, --metrics-host or --http-allowed-hosts."""
+    server = await start(nursery, http_allowed_hosts="locks.internal")
+    port = server.http_port
+
+    async def as_browser_at(name: bytes) -> bytes:
+        origin = b"Origin: http://%s:%d" % (name, port)
+        return await upgrade_status(port, origin, host=name)
+
+    assert b" 403 " in await as_browser_at(b"rebound.evil.example")
+    assert b" 101 " in await as_browser_at(b"localhost")
+    assert b" 101 " in await as_browser_at(b"locks.internal")
+    assert b" 101 " in await as_browser_at(b"LOCKS.internal")
+    assert b" 101 " in await as_browser_at(b"[::1]")
+    assert b" 101 " in await upgrade_status(port, host=b"rebound.evil.example")  # no Origin
 
 
 async def test_upgrades_are_refused_when_the_lock_port_speaks_tls(

@@ -166,6 +166,12 @@ def host_name(text: str) -> str:
     return _checked(check_host, text)
 
 
+def host_names(text: str) -> str:
+    """Comma-separated host names, each checked as ``--host`` is; kept as one string."""
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    return ",".join(host_name(name) for name in names)
+
+
 def unix_path(text: str) -> str:
     return _checked(check_unix_path, text)
 
@@ -268,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="permissions of the --unix socket, whatever the umask",
     )
     add("--metrics-host", type=host_name, default=defaults.metrics_host, help="address of /metrics")
+    add(
+        "--http-allowed-hosts",
+        type=host_names,
+        default=defaults.http_allowed_hosts,
+        metavar="NAME[,NAME...]",
+        help="host names a browser may reach the HTTP port's WebSocket by (the status "
+        "page), besides IP addresses, localhost and --metrics-host",
+    )
     add(
         "--metrics-port",
         type=port_number,

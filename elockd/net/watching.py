@@ -103,8 +103,10 @@ async def _stream(watcher: Watcher, rest: Parked, pause: Pause[Parked]) -> End:
                     watcher.wake = None
                 continue
             batch = _batch(watcher)
-            await transport.send(batch)
-            watcher.sent(len(batch))
+            try:
+                await transport.send(batch)
+            finally:  # out of the watcher's lines either way: the transport has it
+                watcher.sent(len(batch))
             await trio.lowlevel.checkpoint()  # a socket's send may not have yielded
 
     try:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import ipaddress
 import math
 import socket
 from collections import deque
@@ -64,6 +65,7 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from elockd.handover.pause import NEVER, STREAM_SEND_GRACE, Interrupted
 from elockd.net.serving import ConnectionSlots, PausableService, peer_name, serve_connection
 from elockd.net.transport import READ_AHEAD_LIMIT, RECEIVE_SIZE, Closer, rest_forever
+from elockd.protocol.config import Config
 
 TOO_MANY_CONNECTIONS = b"0 Too Many Connections\r\n"
 #: Close codes (RFC 6455): the session ended, a message too big, "try again later".
@@ -422,18 +424,37 @@ class WebSocketTransport:
         await self._flush()
 
 
-def cross_site(request: Request) -> bool:
-    """Whether a browser opened this socket from a page of another site. A browser
-    names the page's origin in ``Origin``, and any page on the web may open
-    ``ws://127.0.0.1:9998/``: without this check a site the operator visits could
-    take and free locks through the operator's browser (cross-site WebSocket
-    hijacking). Clients that are not browsers send no ``Origin``, or, as the
-    websocket-client library does, this very host's; the status page is served
-    from this host too."""
+def cross_site(request: Request, allowed_hosts: frozenset[str]) -> bool:
+    """Whether a browser opened this socket from a page of another site.
+
+    A browser names the page's origin in ``Origin``, and any page on the web may
+    open ``ws://127.0.0.1:9998/``: without this check a site the operator visits
+    could take and free locks through the operator's browser (cross-site WebSocket
+    hijacking). The origin must be this very host, and, against DNS rebinding (a
+    site that points its own name at 127.0.0.1 sends matching headers), the host a
+    name this port is known by: an IP address, ``localhost``, or one of
+    ``allowed_hosts`` (``--metrics-host``, ``--http-allowed-hosts``). Clients that
+    are not browsers send no ``Origin`` (or, as websocket-client does, this host's)
+    and are not affected."""
     origin = next((v for k, v in request.extra_headers if k.lower() == b"origin"), None)
     if origin is None:
         return False
-    return urlsplit(origin.decode("latin-1")).netloc.lower() != request.host.lower()
+    host = request.host.lower()
+    if urlsplit(origin.decode("latin-1")).netloc.lower() != host:
+        return True
+    name = (urlsplit("//" + host).hostname or "").rstrip(".")
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return name != "localhost" and name not in allowed_hosts
+    return False
+
+
+def allowed_hosts(config: Config) -> frozenset[str]:
+    """The host names a browser may reach the WebSocket by (see :func:`cross_site`)."""
+    names = {config.metrics_host.lower()}
+    names.update(name for name in config.http_allowed_hosts.split(",") if name)
+    return frozenset(names)
 
 
 async def serve_websocket(
@@ -464,7 +485,8 @@ async def serve_websocket(
     if request is None:  # elockd.net.http sends only whole upgrade requests here
         await transport.reject(400)
         return
-    if request.target.split("?", 1)[0] != "/" or config.tls_cert or cross_site(request):
+    refused = config.tls_cert or cross_site(request, allowed_hosts(config))
+    if request.target.split("?", 1)[0] != "/" or refused:
         await transport.reject(403)
         return
     try:

@@ -23,6 +23,9 @@ class Config:
     # The Unix socket's file mode, in octal digits: set exactly, whatever the umask.
     unix_mode: str = "0660"
     metrics_host: str = "127.0.0.1"
+    # Host names (besides IP addresses, localhost and --metrics-host) a browser may
+    # use to reach the HTTP port's WebSocket; comma-separated.
+    http_allowed_hosts: str = ""
     metrics_port: int = 9998
     # HTTP connections (scrapers, health checks) at once, and how long one may idle.
     metrics_max_connections: int = 32

@@ -301,9 +301,9 @@ def cmd_kill(conn: Connection, args: Args, now: float) -> Reply:
     """``kill K``: an operator frees every hold on K (only a connection that passed
     ``auth`` with the ``--admin-token-file`` token). Logged at warning, with the
     admin's peer and every evicted owner."""
-    key = args.key()
-    if not conn.admin:
+    if not conn.admin:  # before anything else: a non-operator learns nothing
         return FORBIDDEN
+    key = args.key()
     reports, peer = conn.service.reports, conn.peer
 
     def killed(evicted: list[Evicted]) -> bytes:
