@@ -115,7 +115,7 @@ def test_a_lapsed_key_is_left_behind_and_the_rest_keep_their_time_left() -> None
     assert both.ask(conn, b"throttle kept 1 4", 3.75) == (
         b"409 limit=1 remaining=0 retry=250 reset=250\r\n"
     )
-    both.advance(4.0)  # kept lapses on both
+    both.advance(5.0)  # kept lapsed on both, and was dropped at the grain after
     assert both.snapshots()[0]["throttles"] == both.snapshots()[1]["throttles"] == 0
 
 

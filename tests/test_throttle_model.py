@@ -14,7 +14,8 @@ after every step:
   its deadline;
 * **a peek changes nothing**: the table's TATs and lines are the same after it;
 * the books agree: ``waiting`` is the sum of the lines, every waiting session's
-  waits are known, and a lapsed key has no state once time passed it.
+  waits are known, and a lapsed key has no state once time passed the grain after
+  it (``LAPSE_GRAIN``).
 
 Time is a plain float the test moves forward, so every turn and timeout is exact.
 """
@@ -29,7 +30,7 @@ from elockd.engine.bookkeeping import QueueFull
 from elockd.engine.gcra import EPSILON, Rate, Verdict, judge
 from elockd.engine.locks import LockEngine
 from elockd.engine.sessions import Session
-from elockd.engine.throttles import ThrottleWaiter
+from elockd.engine.throttles import ThrottleWaiter, lapse_time
 
 #: Each key's (COUNT, PERIOD, BURST): the window bound is stated per rate.
 RATES = {b"a": (2, 1.0, 3), b"b": (1, 0.5, 1), b"c": (5, 2.0, 5)}
@@ -127,8 +128,9 @@ class ThrottleModel(RuleBasedStateMachine):
                 head = line[0]
                 verdict, _ = judge(self.table.tats.get(key, float("-inf")), self.now, head.rate)
                 assert not verdict.admitted, "a head that fits was left waiting"
-        for key, tat in self.table.tats.items():
-            assert tat > self.now or self.table.lines.get(key), "a lapsed key kept its state"
+        for key, tat in self.table.tats.items():  # dropped at the grain after it lapsed
+            kept = tat > self.now or self.table.lines.get(key) or lapse_time(tat) > self.now
+            assert kept, "a lapsed key kept its state past its grain"
 
     @invariant()
     def within_the_window_bound(self) -> None:

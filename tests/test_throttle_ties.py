@@ -51,3 +51,17 @@ def test_compacting_the_heap_keeps_a_heads_turn_and_its_timeout() -> None:
     engine._deadlines.compact()
     kept = sorted(deadline for deadline, _, target in engine._deadlines._heap if target is head)
     assert kept == [head.admit, head.deadline] and head.admit < head.deadline == 5.0
+
+
+def test_a_key_lapsed_but_not_swept_yet_makes_room_at_max_throttles() -> None:
+    """Lapsed keys are swept on grain boundaries; one lapsed since is no state, and
+    must not keep a new key out at --max-throttles."""
+    engine = LockEngine(max_throttles=2)
+    throttles, session = engine.throttles, engine.open_session("s", b"p")
+    half_second = Rate(2, 1.0, 1)
+    for key in (b"a", b"b"):
+        assert throttles.request(session, key, 0.0, half_second, 0).admitted  # type: ignore[union-attr]
+    engine.advance(0.6)  # both lapsed at 0.5; their sweep comes at 1.0
+    assert len(throttles) == 2
+    assert throttles.request(session, b"c", 0.6, half_second, 0).admitted  # type: ignore[union-attr]
+    assert sorted(throttles.tats) == [b"c"]  # both lapsed keys were dropped for it

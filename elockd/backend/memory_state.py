@@ -48,7 +48,7 @@ from elockd.backend.state import (
 from elockd.engine.gcra import Rate, Verdict
 from elockd.engine.locks import LockEngine
 from elockd.engine.sessions import WAITING, Hold, Session, Waiter
-from elockd.engine.throttles import ThrottleWaiter
+from elockd.engine.throttles import ThrottleWaiter, lapse_time
 
 #: The reply-later of a waiting request, from the backend (its ``later_for``): passed
 #: in, since the backend builds its dump and restore from this module.
@@ -384,7 +384,7 @@ class MemoryRestore(RecordReader):
         keys, (lefts,) = self._columns(record, "tats")
         for key, left in zip(keys, lefts, strict=True):
             throttles.tats[key] = now + left
-            throttles._lapses.append((now + left, key))  # made a heap at the end
+            throttles._lapses.append((lapse_time(now + left), key))  # a heap at the end
 
     def _throttle_waiters(self, record: Record) -> None:
         now, throttles = self.now, self.engine.throttles

@@ -6,16 +6,18 @@ bisections away). Keeping it exact would put an insertion into it on every grant
 and a removal on every release, a few microseconds each, on the path that ``g``/``r``
 run a hundred thousand times a second. So it is kept lazily:
 
-* a key enters the index when it is granted and is not in it yet: the lock path pays
-  one set lookup (:attr:`KeyIndex.members`, tested inline by the engine) for a key
-  it has seen before, and nothing at all on release;
-* a key whose last hold went stays in the index (*stale*); whoever reads the index
-  asks the tables whether each key it meets is still live;
-* stale keys are swept away once the index holds more than twice the live keys
-  (plus :data:`SWEEP_SLACK`): the engine's deadline timer runs the sweep a slice at
-  a time (:meth:`sweep`), so no one request pays for it and the index stays within
-  about twice the live keys. A sweep walks the index once, so its cost, spread over
-  the new keys that made it due, is a constant per new key.
+* a key whose last hold goes stays in the index, *stale*: the engine notes it in
+  :attr:`KeyIndex.stale` (a dict store, inline); a key that comes back to life takes
+  itself out of it again (a dict delete), and only a key that is neither live nor
+  stale is inserted (:meth:`KeyIndex.add`). So a key used over and over costs two
+  dict operations a hold, and the index costs 8 bytes a live key: no set of every
+  key beside the list (that set cost about 42 bytes a lock);
+* whoever reads the index asks the tables whether each key it meets is still live;
+* stale keys are swept away once they outnumber the live keys (plus
+  :data:`SWEEP_SLACK`): the engine's deadline timer runs the sweep a slice at a time
+  (:meth:`sweep`), so no one request pays for it. A sweep takes each stale key out of
+  the list once, so its cost, spread over the new keys that made it due, is a
+  constant per new key.
 
 After a hand-over the successor does not sort its million keys inside the pause: the
 index is marked :attr:`rebuild` and is built from the tables by the first reader
@@ -41,34 +43,31 @@ BATCH = 256
 
 class KeyIndex:
     """Keys that had a hold since the last sweep, in byte order (see the module
-    docstring): a superset of the live keys."""
+    docstring): the live keys and the :attr:`stale` ones."""
 
-    __slots__ = ("_cursor", "members", "ordered", "rebuild", "sweeping")
+    __slots__ = ("ordered", "rebuild", "stale", "sweeping")
 
     def __init__(self) -> None:
-        #: Every key in :attr:`ordered`: the engine tests ``key not in members``
-        #: inline on each grant (a set lookup in C), and calls :meth:`add` only then.
-        self.members: set[bytes] = set()
         self.ordered: SortedList[bytes] = SortedList()
+        #: Keys in :attr:`ordered` with no hold now (the engine stores and deletes
+        #: them inline as keys go and come back).
+        self.stale: dict[bytes, None] = {}
         #: The index must be built from the tables before it is read (a hand-over's
         #: successor: its tables were restored without it).
         self.rebuild = False
-        #: A sweep is under way; :attr:`_cursor` is the last key it looked at.
+        #: A sweep is under way (:meth:`sweep` takes stale keys out a slice a time).
         self.sweeping = False
-        self._cursor: bytes | None = None
 
     def __len__(self) -> int:
-        return len(self.members)
+        return len(self.ordered)
 
     def add(self, key: bytes, live: int) -> bool:
-        """Index a key not in :attr:`members`; ``live``: how many keys are live now.
-        True when this made a sweep due (the caller wakes its timer)."""
-        self.members.add(key)
+        """Index a key that is neither in the index nor stale; ``live``: how many keys
+        are live now. True when this made a sweep due (the caller wakes its timer)."""
         self.ordered.add(key)
-        if self.sweeping or len(self.members) <= 2 * live + SWEEP_SLACK:
+        if self.sweeping or len(self.stale) <= live + SWEEP_SLACK:
             return False
         self.sweeping = True
-        self._cursor = None
         return True
 
     def ensure(self, keys: Callable[[], Iterable[bytes]]) -> None:
@@ -76,8 +75,8 @@ class KeyIndex:
         :attr:`rebuild`; a no-op otherwise."""
         if self.rebuild:
             self.rebuild = False
-            self.members.update(keys())  # in place: the engine holds this set
-            self.ordered = SortedList(self.members)
+            self.stale.clear()  # in place: the engine holds this dict
+            self.ordered = SortedList(keys())
             self.sweeping = False
 
     def starting_with(self, prefix: bytes) -> Iterator[list[bytes]]:
@@ -112,24 +111,18 @@ class KeyIndex:
         return list(itertools.islice(within, count))
 
     def sweep(self, is_live: Callable[[bytes], bool], budget: int) -> bool:
-        """Look at up to ``budget`` keys from where the sweep stopped, dropping those
-        not live; True while the sweep has more to do."""
+        """Take up to ``budget`` stale keys out of the index; True while the sweep
+        has more to do."""
         if not self.sweeping:
             return False
-        ordered = self.ordered
-        start = (
-            ordered.irange()
-            if self._cursor is None
-            else ordered.irange(self._cursor, inclusive=(False, True))
-        )
-        batch = list(itertools.islice(start, budget))
-        for key in batch:
-            if not is_live(key):
-                ordered.remove(key)
-                self.members.discard(key)
-        if len(batch) < budget:
-            self.sweeping = False
-            self._cursor = None
-            return False
-        self._cursor = batch[-1]
-        return True
+        stale, ordered = self.stale, self.ordered
+        while stale and budget:
+            key = next(iter(stale))
+            del stale[key]
+            if not is_live(key):  # always, as the engine keeps it; cheap to be sure
+                ordered.discard(key)  # absent while a rebuild is pending
+            budget -= 1
+        if stale:
+            return True
+        self.sweeping = False
+        return False

@@ -156,10 +156,11 @@ class LockEngine(Bookkeeping):
         self.detached = 0
         # ``throttle``: its own namespace of keys, on this engine's deadline heap.
         self.throttles = Throttles(self, max_throttles=max_throttles)
-        # ``ls``: the keys in byte order, kept lazily (elockd.engine.keyindex). The
-        # grants test ``key not in self._indexed`` inline: one set lookup.
+        # ``ls``: the keys in byte order, kept lazily (elockd.engine.keyindex): a key
+        # that goes is noted stale, one that comes back is taken out of the note,
+        # inline (dict operations), and only a key new to the index is inserted.
         self.index = KeyIndex()
-        self._indexed = self.index.members
+        self._stale = self.index.stale
 
     # ---------------------------------------------------------------- sessions
 
@@ -258,14 +259,18 @@ class LockEngine(Bookkeeping):
         self.orphans += len(session.exclusive)
         self.shared_orphans += len(session.shared)
         watchers = self.watchers if self.watchers.active else None
+        shared, stale = self.shared, self._stale
         for key in session.exclusive:
             del exclusive[key]
+            if key not in shared:
+                stale[key] = None  # no hold left: the index keeps it, stale
             if watchers is not None:
                 watchers.free(key, session.owner, False, 0, ORPHANED)
-        shared = self.shared
         for key, hold in session.shared.items():
             if shared[key] is hold:  # the key's only holder: _unshare's common case
                 del shared[key]
+                if key not in exclusive:
+                    stale[key] = None
             else:
                 self._unshare(hold)
             if watchers is not None:
@@ -344,8 +349,11 @@ class LockEngine(Bookkeeping):
         return True
 
     def _grant_exclusive(self, session: Session, key: bytes, now: float, ttl: float | None) -> Hold:
-        if key not in self._indexed:
-            self._index_key(key)
+        if key not in self.shared:  # the key comes to life (it was not held)
+            if key in self._stale:
+                del self._stale[key]
+            else:
+                self._index_key(key)
         hold = Hold(session, key, False, self._next_token, now)
         self._next_token += 1
         self.exclusive[key] = hold
@@ -440,8 +448,11 @@ class LockEngine(Bookkeeping):
         count."""
         if key in session.shared:
             return self.shared_count(key)
-        if key not in self._indexed:
-            self._index_key(key)
+        if key not in self.shared and key not in self.exclusive:  # it comes to life
+            if key in self._stale:
+                del self._stale[key]
+            else:
+                self._index_key(key)
         hold = Hold(session, key, True, 0, now)
         entry = self.shared.get(key)
         if entry is None:
@@ -508,8 +519,11 @@ class LockEngine(Bookkeeping):
             del self.shared[key]
         else:
             del entry[hold.session]
-            if not entry:
-                del self.shared[key]
+            if entry:
+                return
+            del self.shared[key]
+        if key not in self.exclusive:
+            self._stale[key] = None  # no hold left: the index keeps it, stale
 
     # ------------------------------------------------------------ both tables
 
@@ -578,6 +592,8 @@ class LockEngine(Bookkeeping):
         else:
             del self.exclusive[key]
             del session.exclusive[key]
+            if key not in self.shared:
+                self._stale[key] = None  # no hold left: the index keeps it, stale
             if self.watchers.active and (watching := self.watchers.matching(key)):
                 self.watchers.send(watching, key, free_line(key, session.owner, False, 0, why))
             if session.waiters:

@@ -40,6 +40,17 @@ from elockd.engine.sessions import CANCELLED, GRANTED, WAITING, Session
 THROTTLE_KIND = 2
 
 
+#: Lapsed keys are dropped on boundaries of this many seconds, so that a key asked
+#: over and over at a high rate (its TAT always just passed) costs no timer wake-up
+#: per request, only one sweep per grain for all of them.
+LAPSE_GRAIN = 1.0
+
+
+def lapse_time(tat: float) -> float:
+    """When to look at a key whose TAT is ``tat``: the next grain boundary after it."""
+    return (math.floor(tat / LAPSE_GRAIN) + 1.0) * LAPSE_GRAIN
+
+
 class TooManyThrottles(Exception):
     """``--max-throttles`` keys already have state; this request would add one."""
 
@@ -121,8 +132,9 @@ class Throttles:
         # the order they came: a dict, not a set, so cancelling is deterministic).
         self.by_session: dict[Session, dict[ThrottleWaiter, None]] = {}
         self.waiting = 0
-        # (TAT when scheduled, key): when a key may lapse. One entry per key with
-        # state; a key whose TAT moved on is put back at its new TAT when it comes up.
+        # (when to look, key): when a key may have lapsed, on LAPSE_GRAIN boundaries.
+        # One entry per key with state; a key whose TAT moved on is put back when
+        # it comes up.
         self._lapses: list[tuple[float, bytes]] = []
 
     def __len__(self) -> int:
@@ -143,7 +155,7 @@ class Throttles:
         if line is None:
             verdict, new = judge(tat, now, rate)
             if verdict.admitted:
-                self._set(key, new)
+                self._set(key, new, now)
                 self.books.admitted += 1
                 return verdict
         else:
@@ -224,15 +236,39 @@ class Throttles:
         head.admit = max(turn, now + EPSILON)
         self.books.schedule(head.admit, head)
 
-    def _set(self, key: bytes, new: float) -> None:
+    def _set(self, key: bytes, new: float, now: float) -> None:
         if key not in self.tats:
-            if len(self.tats) >= self.max_throttles:
+            if len(self.tats) >= self.max_throttles and not self._reclaim(now):
                 raise TooManyThrottles(key)
             lapses = self._lapses
-            heapq.heappush(lapses, (new, key))
-            if lapses[0][1] is key and self.books.on_new_deadline is not None:
+            earliest = lapses[0][0] if lapses else math.inf
+            when = lapse_time(new)
+            heapq.heappush(lapses, (when, key))
+            if when < earliest and self.books.on_new_deadline is not None:
                 self.books.on_new_deadline()  # the timer sleeps until the earliest
         self.tats[key] = new
+
+    def _reclaim(self, now: float, budget: int = 64) -> bool:
+        """At ``--max-throttles``: drop keys that have lapsed but wait for their
+        sweep (at most ``budget`` looked at); True when room was made. A lapsed key
+        has no state, so it must not keep a new one out."""
+        lapses, tats = self._lapses, self.tats
+        looked: list[tuple[float, bytes]] = []
+        room = False
+        while lapses and lapses[0][0] <= now + LAPSE_GRAIN and budget:
+            budget -= 1
+            entry = heapq.heappop(lapses)
+            tat = tats.get(entry[1])
+            if tat is None:
+                continue
+            if tat <= now and entry[1] not in self.lines:
+                del tats[entry[1]]
+                room = True
+            else:
+                looked.append(entry)
+        for entry in looked:
+            heapq.heappush(lapses, entry)
+        return room
 
     # ------------------------------------------------------------- the line
 
@@ -267,7 +303,7 @@ class Throttles:
             head.admit = turn  # when its turn came: within its wait
             del line[head]
             self._tails.pop(key, None)
-            self._set(key, new)
+            self._set(key, new, now)
             self.books.admitted += 1
             self._finish(head, verdict, now)
         self.lines.pop(key, None)
@@ -368,9 +404,9 @@ class Throttles:
             if tat is None:
                 continue
             if tat > now:
-                heapq.heappush(lapses, (tat, key))
+                heapq.heappush(lapses, (lapse_time(tat), key))
             elif key in self.lines:
-                again.append((now, key))
+                again.append((lapse_time(now), key))
             else:
                 del tats[key]
         for entry in again:

@@ -43,6 +43,7 @@ from elockd.backend.interface import (
     TooManyHolds,
     TooManyThrottles,
 )
+from elockd.engine.gcra import Rate
 from elockd.engine.sessions import Session
 from elockd.engine.watchers import Watcher
 from elockd.protocol.arguments import Args, BadRequest
@@ -296,6 +297,8 @@ class Service:
         self.auth_token = auth_token
         self.admin_token = admin_token
         self.reports = Reports()
+        # `throttle`'s common (COUNT, PERIOD) spellings, parsed once (protocol.word).
+        self.throttle_rates: dict[tuple[bytes, bytes], Rate] = {}
         # Before `auth` succeeds a connection dispatches through this table, where
         # every verb that needs auth is refused: no per-request check on the hot path.
         self.unauthenticated_commands = {

@@ -187,25 +187,38 @@ def cmd_throttle_line(conn: Connection, rest: bytes, now: float) -> Reply:
     shape goes through the declared arguments (:func:`cmd_throttle`), whose 400
     reasons it shares."""
     parts = rest.split(b" ")
-    if len(parts) == 3:
+    # A tab in the key splits it in the declared arguments (Args): not this shape.
+    if len(parts) == 3 and parts[0] and b"\t" not in parts[0]:
         key, count, period = parts
-        # A tab in the key splits it in the declared arguments (Args): not this shape.
-        if (
-            key
-            and count.isdigit()
-            and period.isdigit()
-            and len(count) + len(period) < 16
-            and b"\t" not in key
-        ):
-            calls, seconds = int(count), int(period)
-            if calls and 0 < seconds <= conn.service.config.max_ttl:
-                rate = Rate(calls, float(seconds), calls, 1)
-                result = conn.backend.throttle(conn.session, key, now, rate, wait=0.0)
-                if result.__class__ is Verdict:
-                    return throttle_line(result)
-                return answer(result, throttle_line, WORD, conn.peer)
+        rates = conn.service.throttle_rates
+        rate = rates.get((count, period))
+        if rate is None and (rate := plain_rate(count, period, conn.service.config.max_ttl)):
+            if len(rates) >= RATES_KEPT:
+                rates.clear()
+            rates[count, period] = rate
+        if rate is not None:
+            result = conn.backend.throttle(conn.session, key, now, rate, wait=0.0)
+            if result.__class__ is Verdict:
+                return throttle_line(result)
+            return answer(result, throttle_line, WORD, conn.peer)
     args = Args(rest, THROTTLE_OPTIONS, 3, conn.service.config.max_ttl)
     return cmd_throttle(conn, args, now)
+
+
+#: How many (COUNT, PERIOD) spellings the service keeps parsed: a fleet asks a few
+#: rates over and over; a client sending new ones only empties the cache.
+RATES_KEPT = 256
+
+
+def plain_rate(count: bytes, period: bytes, most: float) -> Rate | None:
+    """``COUNT PERIOD`` in whole numbers, as the declared arguments would read them
+    (None for any other spelling, which those then read or refuse)."""
+    if not (count.isdigit() and period.isdigit() and len(count) + len(period) < 16):
+        return None
+    calls, seconds = int(count), int(period)
+    if not calls or not 0 < seconds <= most:
+        return None
+    return Rate(calls, float(seconds), calls, 1)
 
 
 def cmd_throttle(conn: Connection, args: Args, now: float) -> Reply:

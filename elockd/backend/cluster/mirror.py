@@ -509,7 +509,6 @@ class QueueMirror:
             del self.queues[queue_id]
             if (EXCLUSIVE if shared else SHARED, queue_id[1]) not in self.queues:
                 self.names.ordered.remove(queue_id[1])
-                self.names.members.discard(queue_id[1])
             if shared:
                 self.shared_queues -= 1
             else:
