@@ -6,12 +6,13 @@ bisections away). Keeping it exact would put an insertion into it on every grant
 and a removal on every release, a few microseconds each, on the path that ``g``/``r``
 run a hundred thousand times a second. So it is kept lazily:
 
-* a key whose last hold goes stays in the index, *stale*: the engine notes it in
-  :attr:`KeyIndex.stale` (a dict store, inline); a key that comes back to life takes
-  itself out of it again (a dict delete), and only a key that is neither live nor
-  stale is inserted (:meth:`KeyIndex.add`). So a key used over and over costs two
-  dict operations a hold, and the index costs 8 bytes a live key: no set of every
-  key beside the list (that set cost about 42 bytes a lock);
+* a key whose table loses its last hold on it stays in the index, noted *stale*
+  in :attr:`KeyIndex.stale` (a dict store, inline, without asking the other table:
+  the note means "may be gone"); a key granted again takes its note out (a dict
+  ``pop``), and only a key neither noted nor held is inserted (:meth:`KeyIndex.add`).
+  So a key used over and over costs two dict operations a hold, and the index
+  costs 8 bytes a live key: no set of every key beside the list (that set cost
+  about 42 bytes a lock). Every key of the index is live or noted;
 * whoever reads the index asks the tables whether each key it meets is still live;
 * stale keys are swept away once they outnumber the live keys (plus
   :data:`SWEEP_SLACK`): the engine's deadline timer runs the sweep a slice at a time
@@ -49,8 +50,8 @@ class KeyIndex:
 
     def __init__(self) -> None:
         self.ordered: SortedList[bytes] = SortedList()
-        #: Keys in :attr:`ordered` with no hold now (the engine stores and deletes
-        #: them inline as keys go and come back).
+        #: Keys in :attr:`ordered` that may have no hold now (the engine stores
+        #: them inline as a table lets a key go, and pops them as one takes it).
         self.stale: dict[bytes, None] = {}
         #: The index must be built from the tables before it is read (a hand-over's
         #: successor: its tables were restored without it).
@@ -119,7 +120,7 @@ class KeyIndex:
         while stale and budget:
             key = next(iter(stale))
             del stale[key]
-            if not is_live(key):  # always, as the engine keeps it; cheap to be sure
+            if not is_live(key):  # a note may be of a key the other table holds
                 ordered.discard(key)  # absent while a rebuild is pending
             budget -= 1
         if stale:

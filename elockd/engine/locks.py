@@ -96,6 +96,10 @@ Queue = OrderedDict[Waiter, None]
 Blocked = list[bytes]
 
 
+#: What ``pop`` answers for a key not noted stale (a stale note's value is None).
+NEW = object()
+
+
 class LockEngine(Bookkeeping):
     """Exclusive and counted shared locks with FIFO waits, leases and sessions."""
 
@@ -262,15 +266,13 @@ class LockEngine(Bookkeeping):
         shared, stale = self.shared, self._stale
         for key in session.exclusive:
             del exclusive[key]
-            if key not in shared:
-                stale[key] = None  # no hold left: the index keeps it, stale
+            stale[key] = None  # its table has no hold left (see KeyIndex.stale)
             if watchers is not None:
                 watchers.free(key, session.owner, False, 0, ORPHANED)
         for key, hold in session.shared.items():
             if shared[key] is hold:  # the key's only holder: _unshare's common case
                 del shared[key]
-                if key not in exclusive:
-                    stale[key] = None
+                stale[key] = None
             else:
                 self._unshare(hold)
             if watchers is not None:
@@ -349,11 +351,8 @@ class LockEngine(Bookkeeping):
         return True
 
     def _grant_exclusive(self, session: Session, key: bytes, now: float, ttl: float | None) -> Hold:
-        if key not in self.shared:  # the key comes to life (it was not held)
-            if key in self._stale:
-                del self._stale[key]
-            else:
-                self._index_key(key)
+        if self._stale.pop(key, NEW) is NEW and key not in self.shared:
+            self._index_key(key)  # neither noted stale nor held: new to the index
         hold = Hold(session, key, False, self._next_token, now)
         self._next_token += 1
         self.exclusive[key] = hold
@@ -448,11 +447,9 @@ class LockEngine(Bookkeeping):
         count."""
         if key in session.shared:
             return self.shared_count(key)
-        if key not in self.shared and key not in self.exclusive:  # it comes to life
-            if key in self._stale:
-                del self._stale[key]
-            else:
-                self._index_key(key)
+        stale = self._stale.pop(key, NEW) is not NEW
+        if not stale and key not in self.shared and key not in self.exclusive:
+            self._index_key(key)  # neither noted stale nor held: new to the index
         hold = Hold(session, key, True, 0, now)
         entry = self.shared.get(key)
         if entry is None:
@@ -522,8 +519,7 @@ class LockEngine(Bookkeeping):
             if entry:
                 return
             del self.shared[key]
-        if key not in self.exclusive:
-            self._stale[key] = None  # no hold left: the index keeps it, stale
+        self._stale[key] = None  # its table has no hold left (see KeyIndex.stale)
 
     # ------------------------------------------------------------ both tables
 
@@ -592,8 +588,7 @@ class LockEngine(Bookkeeping):
         else:
             del self.exclusive[key]
             del session.exclusive[key]
-            if key not in self.shared:
-                self._stale[key] = None  # no hold left: the index keeps it, stale
+            self._stale[key] = None  # its table has no hold left (see KeyIndex.stale)
             if self.watchers.active and (watching := self.watchers.matching(key)):
                 self.watchers.send(watching, key, free_line(key, session.owner, False, 0, why))
             if session.waiters:
