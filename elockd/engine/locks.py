@@ -351,7 +351,10 @@ class LockEngine(Bookkeeping):
         return True
 
     def _grant_exclusive(self, session: Session, key: bytes, now: float, ttl: float | None) -> Hold:
-        if self._stale.pop(key, NEW) is NEW and key not in self.shared:
+        stale = self._stale
+        if key in stale:  # bytecode, not a call: this runs on every g
+            del stale[key]
+        elif key not in self.shared:
             self._index_key(key)  # neither noted stale nor held: new to the index
         hold = Hold(session, key, False, self._next_token, now)
         self._next_token += 1
