@@ -335,15 +335,28 @@ class Run:
                         name = bytes.fromhex(event.kv.key[len(queues) :].split(b"/")[0].decode())
                         self.outcome.deleted[(name.decode(), created.pop(event.kv.key))] = now
 
-    async def a_holds(self, limit: float = 5.0) -> None:
+    async def a_holds(self, limit: float = 5.0) -> Hold | None:
         """Wait (up to ``limit``) until some client of node A holds a key, so that the
-        cut that follows has a hold of A's to take away."""
+        cut that follows has a hold of A's to take away; that hold."""
         with trio.move_on_after(limit):
-            while not any(
-                h.node == "a" and h.told is None and h.unlock_sent is None
-                for h in self.outcome.holds
-            ):
+            while True:
+                for hold in self.outcome.holds:
+                    if hold.node == "a" and hold.told is None and hold.unlock_sent is None:
+                        return hold
                 await trio.sleep(0.05)
+        return None
+
+    async def chase(self, key: str) -> None:
+        """A client of node B that waits for ``key`` (a key A's client holds), so that
+        B's grant after the cut is there to measure A's lead against, whatever keys
+        the contenders happen to pick; it holds the key a moment, then lets go."""
+        try:
+            line = await self.connect("b")
+            hold = await self.lock(line, "b-chaser", "b", key)
+            if hold is not None and await self.hold_for(line, hold, 0.5, through_cuts=False):
+                await self.unlock(line, hold)
+        except GONE:
+            self.note("<closed>")
 
     async def cut(self, what: str, action: Callable[[], None]) -> None:
         await trio.to_thread.run_sync(action)

@@ -56,13 +56,18 @@ def node_cut(mode: str, ttl: int) -> Scenario:
 
     async def script(lab: Lab, run: Run, rng: random.Random) -> None:
         await trio.sleep(pace(ttl))
-        await run.a_holds()
-        await run.cut(f"A cut from etcd ({mode})", lambda: lab.cut_node_from_etcd("a", mode))
-        # Past etcd's expiry of A's lease (TTL) and past when A used to tell its
-        # clients (up to TTL + 2.2 s at TTL 5).
-        await trio.sleep(1.4 * ttl + 2.0)
-        await run.cut("healed", lab.heal)
-        await trio.sleep(pace(ttl))
+        held = await run.a_holds()
+        async with trio.open_nursery() as nursery:
+            if held is not None:
+                nursery.start_soon(run.chase, held.key)
+                await trio.sleep(0.15)  # the chaser's ``lock`` is in etcd's queue by now
+            await run.cut(f"A cut from etcd ({mode})", lambda: lab.cut_node_from_etcd("a", mode))
+            # Past etcd's expiry of A's lease (TTL) and past when A used to tell its
+            # clients (up to TTL + 2.2 s at TTL 5).
+            await trio.sleep(1.4 * ttl + 2.0)
+            await run.cut("healed", lab.heal)
+            await trio.sleep(pace(ttl))
+            nursery.cancel_scope.cancel()
 
     return Scenario(f"node A cut from etcd ({mode})", script, via_proxy=mode == "delay")
 
