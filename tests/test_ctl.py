@@ -22,8 +22,8 @@ import pytest
 
 from elockd.client import BlockingClient
 from elockd.ctl import args as ctl_args
-from elockd.ctl import lock as ctl_lock
 from elockd.ctl import main as ctl
+from elockd.ctl import signals as ctl_signals
 from elockd.ctl.status import EXIT_ERROR, EXIT_FALSE, EXIT_LOST, EXIT_USAGE
 from tests.support.foreign_service import foreign_service, quorumless_answer
 from tests.support.polling import eventually_blocking
@@ -282,13 +282,13 @@ def test_ctrl_c_on_a_terminal_reaches_the_command_once(port: int, tmp_path: Path
 
 def test_only_terminal_signals_in_the_foreground_are_not_forwarded() -> None:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        assert ctl_lock.should_forward(signum, lambda: True)
-        assert ctl_lock.should_forward(signum, lambda: False)
+        assert ctl_signals.should_forward(signum, lambda: True)
+        assert ctl_signals.should_forward(signum, lambda: False)
     for signum in (signal.SIGINT, signal.SIGQUIT):
-        assert not ctl_lock.should_forward(signum, lambda: True)
-        assert ctl_lock.should_forward(signum, lambda: False)
+        assert not ctl_signals.should_forward(signum, lambda: True)
+        assert ctl_signals.should_forward(signum, lambda: False)
     asked: list[bool] = []
-    assert ctl_lock.should_forward(signal.SIGTERM, lambda: asked.append(True) or True)
+    assert ctl_signals.should_forward(signal.SIGTERM, lambda: asked.append(True) or True)
     assert asked == [], "the terminal is asked about INT and QUIT only"
 
 
@@ -296,25 +296,25 @@ def test_in_terminal_foreground(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     tty = tmp_path / "tty"
     tty.write_text("")
     monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp())
-    assert ctl_lock.in_terminal_foreground(str(tty))
+    assert ctl_signals.in_terminal_foreground(str(tty))
     monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp() + 1)
-    assert not ctl_lock.in_terminal_foreground(str(tty))  # a background job
+    assert not ctl_signals.in_terminal_foreground(str(tty))  # a background job
 
     def not_a_tty(fd: int) -> int:
         raise OSError(errno.ENOTTY, "not a tty")
 
     monkeypatch.setattr(os, "tcgetpgrp", not_a_tty)
-    assert not ctl_lock.in_terminal_foreground(str(tty))
+    assert not ctl_signals.in_terminal_foreground(str(tty))
     # No controlling terminal: standard input is asked instead, if there is one.
     missing = str(tmp_path / "missing")
     monkeypatch.setattr(sys, "stdin", io.StringIO())  # fileno() raises
-    assert not ctl_lock.in_terminal_foreground(missing)
+    assert not ctl_signals.in_terminal_foreground(missing)
     monkeypatch.setattr(sys, "stdin", None)
-    assert not ctl_lock.in_terminal_foreground(missing)
+    assert not ctl_signals.in_terminal_foreground(missing)
     with open(tty) as stdin:
         monkeypatch.setattr(sys, "stdin", stdin)
         monkeypatch.setattr(os, "tcgetpgrp", lambda fd: os.getpgrp() if fd == stdin.fileno() else 0)
-        assert ctl_lock.in_terminal_foreground(missing)
+        assert ctl_signals.in_terminal_foreground(missing)
 
 
 def test_the_command_is_terminated_when_the_lock_is_lost(tmp_path: Path) -> None:

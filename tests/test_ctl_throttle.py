@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -295,3 +296,61 @@ def test_waiting_runs_pass_spaced_at_the_rate(port: int) -> None:
     assert 2.95 <= elapsed <= 5.5, elapsed
     gaps = sorted(later - earlier for earlier, later in itertools.pairwise(done[5:]))
     assert 0.15 <= gaps[len(gaps) // 2] <= 0.3, gaps  # the median: about 200 ms
+
+
+# ---------------------------------------------------------------- as a process, from a shell
+
+
+#: What a one-shot elockctl must not import: each is a share of its start-up, paid
+#: on every run of a loop (trio and rich alone were over half of it).
+HEAVY_MODULES = ("trio", "rich", "wsproto", "importlib.metadata")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["throttle", "api", "5/1s", "--", "true"],
+        ["throttle", "api", "5/1s", "--peek"],
+        ["g", "k"],
+        ["q"],
+        ["stats"],
+        ["info", "k"],
+    ],
+)
+def test_one_shot_commands_start_without_the_heavy_modules(port: int, argv: list[str]) -> None:
+    probe = (
+        "import sys\n"
+        "from elockd.ctl import main\n"
+        f"status = main.main(['--port', '{port}', *{argv!r}])\n"
+        f"print(status, [m for m in {HEAVY_MODULES!r} if m in sys.modules])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.stdout.splitlines()[-1].split(" ", 1)[1] == "[]", result
+    # …and the commands that need them still find them.
+    assert int(result.stdout.splitlines()[-1].split(" ", 1)[0]) in (0, EXIT_FALSE), result
+
+
+def test_a_signal_to_elockctl_reaches_the_throttled_command(port: int) -> None:
+    """Outside a terminal (cron, ``kill PID``) only elockctl gets the signal; it passes
+    it on, and COMMAND's own exit status is elockctl's."""
+    script = 'trap "exit 42" TERM; echo ready; while :; do sleep 0.05; done'
+    process = subprocess.Popen(
+        [sys.executable, "-m", "elockd.ctl", "--port", str(port), "throttle", "sig", "5/1s",
+         "--", "sh", "-c", script],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 42
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_command_ended_by_a_signal_exits_as_a_shell_reports_it(port: int) -> None:
+    status = ctl.main(["--port", str(port), "throttle", "killed", "5/1s", "sh", "-c", "kill -9 $$"])
+    assert status == 128 + signal.SIGKILL

@@ -21,6 +21,8 @@ operation's replies on trio streams, :mod:`~elockd.client.blocking` waits for th
 while a thread of its own owns the socket.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from elockd.client.blocking import BlockingClient, BlockingRateLimiter
 from elockd.client.core import Hold, LockInfo
 from elockd.client.errors import (
@@ -38,7 +40,20 @@ from elockd.client.errors import (
 )
 from elockd.client.throttles import ThrottleResult
 from elockd.client.tls import tls_context
-from elockd.client.trio_client import Client, RateLimiter
+
+if TYPE_CHECKING:
+    from elockd.client.trio_client import Client, RateLimiter
+
+
+def __getattr__(name: str) -> Any:
+    """The trio client, imported on first use: the blocking client and elockctl's
+    one-shot commands never import trio, and start that much sooner."""
+    if name in ("Client", "RateLimiter"):
+        from elockd.client import trio_client
+
+        return getattr(trio_client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AuthError",

@@ -21,13 +21,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from elockd.client import core
 from elockd.client.base import ClientBase, RateLimiterBase, describe
 from elockd.client.core import Hold, Operation
 from elockd.client.errors import ConnectFailed, ConnectionLost, ElockError
-from elockd.client.websocket import BlockingWebSocket, WebSocketAddress
+from elockd.client.websocket import WebSocketAddress
+
+if TYPE_CHECKING:
+    from elockd.client.websocket_blocking import BlockingWebSocket
 
 T = TypeVar("T")
 OnLost = Callable[[Hold], object] | None
@@ -123,6 +126,8 @@ class BlockingClient(ClientBase):
     def _open_websocket(self, address: WebSocketAddress) -> socket.socket:
         """Connect to the server's HTTP port and upgrade to a WebSocket; from then on
         the I/O thread speaks through :attr:`_websocket` (wsproto)."""
+        from elockd.client.websocket_blocking import BlockingWebSocket  # ws:// only
+
         sock = socket.create_connection((address.host, address.port), self.connect_timeout)
         try:
             if address.secure:

@@ -33,7 +33,7 @@ from elockd.client import core
 from elockd.client.base import ClientBase, RateLimiterBase, describe
 from elockd.client.core import Hold, Operation
 from elockd.client.errors import ConnectFailed, ConnectionLost
-from elockd.client.websocket import TrioWebSocketStream
+from elockd.client.websocket_trio import TrioWebSocketStream
 
 log = logging.getLogger("elockd.client")
 T = TypeVar("T")

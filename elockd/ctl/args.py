@@ -13,7 +13,7 @@ import os
 import re
 import shlex
 import ssl
-from importlib import metadata
+import sys
 from typing import Any, NoReturn
 
 from elockd.client.base import describe
@@ -170,10 +170,23 @@ def exit_status(text: str) -> int:
 
 
 def version() -> str:
+    from importlib import metadata  # here: its import is a tenth of elockctl's start
+
     try:
         return metadata.version("elockd")
     except metadata.PackageNotFoundError:  # run from a source tree never installed
         return "unknown (not installed)"
+
+
+class ShowVersion(argparse.Action):
+    """``--version``: the version is looked up only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=kwargs.get("help"))
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        sys.stdout.write(f"{parser.prog} {version()}\n")
+        parser.exit()
 
 
 # ---------------------------------------------------------------- the command line
@@ -187,7 +200,7 @@ def build_parser() -> Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--version", action="version", version=f"%(prog)s {version()}")
+    add("--version", action=ShowVersion, help="show program's version number and exit")
     add("--host", help="server address (default: $ELOCKD_HOST, else 127.0.0.1)")
     add("--port", type=port, help="TCP port (default: $ELOCKD_PORT, else 9999)")
     add("--unix", metavar="PATH", help="connect to this Unix socket instead of TCP")

@@ -8,9 +8,6 @@ lock is lost.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,22 +25,14 @@ from elockd.client import (
 )
 from elockd.ctl import rwlock as ctl_rwlock
 from elockd.ctl.doors import hint
-from elockd.ctl.status import EXIT_LOST, failure, say, where
-
-#: Signals elockctl catches while COMMAND runs (so that they do not end it and its
-#: lock first) and passes on to COMMAND, except as :func:`should_forward` says.
-FORWARDED_SIGNALS = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGWINCH,
+from elockd.ctl.signals import (
+    FORWARDED_SIGNALS,
+    cannot_start,
+    in_terminal_foreground,
+    shell_status,
+    should_forward,
 )
-#: Signals a terminal's Ctrl-C / Ctrl-\ sends to its whole foreground process group,
-#: COMMAND included: passing them on as well would deliver them twice.
-TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
+from elockd.ctl.status import EXIT_LOST, failure, say, where
 
 
 async def run_locked(args: argparse.Namespace, options: dict[str, Any]) -> int:
@@ -88,12 +77,8 @@ async def run_command(argv: list[str], lost: trio.Event, kill_after: float) -> i
     with trio.open_signal_receiver(*FORWARDED_SIGNALS) as signals:
         try:
             process = await trio.lowlevel.open_process(argv)
-        except FileNotFoundError as error:
-            say(f"{argv[0]}: {error.strerror}")
-            return 127
         except OSError as error:
-            say(f"{argv[0]}: {error.strerror}")
-            return 126
+            return cannot_start(argv, error)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(forward_signals, signals, process.send_signal)
             nursery.start_soon(end_when_lost, lost, process, kill_after)
@@ -101,7 +86,7 @@ async def run_command(argv: list[str], lost: trio.Event, kill_after: float) -> i
             nursery.cancel_scope.cancel()
     code = process.returncode
     assert code is not None
-    return 128 - code if code < 0 else code
+    return shell_status(code)
 
 
 async def forward_signals(
@@ -122,44 +107,6 @@ async def forward_signals(
             send(signum)
         except ProcessLookupError:
             return
-
-
-def should_forward(signum: int, in_foreground: Callable[[], bool]) -> bool:
-    """Whether elockctl passes ``signum`` on to COMMAND.
-
-    A terminal sends Ctrl-C's SIGINT and Ctrl-\\'s SIGQUIT to every process of its
-    foreground process group, and COMMAND is in elockctl's group: when that group
-    is in the foreground, COMMAND has had the signal already. Otherwise (cron,
-    scripts, ``kill -INT PID``) only elockctl got it, and COMMAND must get it too.
-    Every other signal is always passed on: TERM, HUP and USR1/2 are aimed at
-    elockctl alone, and a doubled WINCH only makes COMMAND re-read the window size.
-    """
-    return signum not in TERMINAL_SIGNALS or not in_foreground()
-
-
-def in_terminal_foreground(tty: str = "/dev/tty") -> bool:
-    """True when elockctl's process group is the foreground group of its terminal
-    (the controlling terminal ``tty``, else standard input); False without one.
-    """
-    try:
-        fd = os.open(tty, os.O_RDONLY | os.O_NOCTTY)
-    except OSError:
-        fd = None
-    try:
-        if fd is None:
-            if sys.stdin is None:
-                return False
-            fd_to_ask = sys.stdin.fileno()
-        else:
-            fd_to_ask = fd
-        return os.tcgetpgrp(fd_to_ask) == os.getpgrp()
-    except (OSError, ValueError, AttributeError):
-        # No terminal (ENOTTY, ENXIO), or stdin closed or replaced: no terminal can
-        # have sent COMMAND the signal as well.
-        return False
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 async def end_when_lost(lost: trio.Event, process: trio.Process, kill_after: float) -> None:

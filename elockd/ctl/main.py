@@ -16,17 +16,13 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-
-import trio
 
 from elockd.client import BlockingClient
 from elockd.client.core import printable, quoted, terse_answer
 from elockd.ctl.args import PROBE_VERBS, build_parser, client_options, parse
 from elockd.ctl.doors import hint
-from elockd.ctl.lock import run_locked
-from elockd.ctl.operate import run_kill, run_ls
 from elockd.ctl.status import (
     EXIT_FALSE,
     EXIT_INTERRUPTED,
@@ -36,15 +32,9 @@ from elockd.ctl.status import (
     say,
     where,
 )
-from elockd.ctl.throttle import run_throttled
-from elockd.ctl.top import run_top
-from elockd.ctl.upgrade import run_upgrade
-from elockd.ctl.watch import run_watch
 
 #: Commands that run until Ctrl-C: it is how they end, so it is exit 0, quietly.
 UNTIL_INTERRUPTED = frozenset({"watch", "top"})
-#: The operators' commands, each its own runner.
-OPERATOR_COMMANDS = {"ls": run_ls, "kill": run_kill, "watch": run_watch, "top": run_top}
 
 #: Probes that take a hold, which ends as soon as elockctl's connection does.
 HOLDING_PROBES = frozenset({"g", "sg"})
@@ -58,15 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(parser, list(sys.argv[1:] if argv is None else argv))
     options = client_options(parser, args)
     try:
-        if args.command == "lock":
-            return trio.run(run_locked, args, options)
-        if args.command == "throttle":
-            return trio.run(run_throttled, args, options)
-        if args.command == "upgrade":
-            return run_upgrade(args)
-        if args.command in OPERATOR_COMMANDS:
-            return OPERATOR_COMMANDS[args.command](args, options)
-        return run_one_liner(args, options)
+        return RUNNERS.get(args.command, run_one_liner)(args, options)
     except BrokenPipeError:  # `elockctl stats | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FALSE
@@ -77,6 +59,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         if message:
             say(message + hint(chosen(error), options, bool(args.tls_cert)))
         return status
+
+
+# ------------------------------------------------------- commands of their own
+# Each imports its module when it runs, not before: a one-liner (or ``throttle``)
+# then starts without trio, rich and the rest (docs/client.md, "elockctl").
+
+Runner = Callable[[argparse.Namespace, dict[str, Any]], int]
+
+
+def run_lock(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    import trio
+
+    from elockd.ctl import lock
+
+    return trio.run(lock.run_locked, args, options)
+
+
+def run_throttle(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from elockd.ctl import throttle
+
+    return throttle.run_throttled(args, options)
+
+
+def run_upgrade(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from elockd.ctl import upgrade
+
+    return upgrade.run_upgrade(args)
+
+
+def run_ls(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from elockd.ctl import operate
+
+    return operate.run_ls(args, options)
+
+
+def run_kill(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from elockd.ctl import operate
+
+    return operate.run_kill(args, options)
+
+
+def run_watch(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from elockd.ctl import watch
+
+    return watch.run_watch(args, options)
+
+
+def run_top(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from elockd.ctl import top
+
+    return top.run_top(args, options)
 
 
 # ---------------------------------------------------------------- one-liners
@@ -137,6 +170,17 @@ def print_stats(values: dict[str, int], as_json: bool) -> None:
     width = max(len(name) for name in values)
     for name, value in values.items():
         sys.stdout.write(f"{name:<{width}}  {value:>12}\n")
+
+
+RUNNERS: dict[str, Runner] = {
+    "lock": run_lock,
+    "throttle": run_throttle,
+    "upgrade": run_upgrade,
+    "ls": run_ls,
+    "kill": run_kill,
+    "watch": run_watch,
+    "top": run_top,
+}
 
 
 if __name__ == "__main__":

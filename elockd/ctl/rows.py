@@ -12,13 +12,13 @@ import argparse
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
-
-from rich import box
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from elockd.client import ProtocolError
 from elockd.client.core import printable, quoted
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 #: One ``ls`` row. The owner is matched greedily: a name set with ``iam`` is the
 #: only field that could hold a blank, and every field after it has a fixed shape.
@@ -139,6 +139,9 @@ def lock_table(
     waiting (the columns of the status page). ``plain``: bare aligned columns, as
     ``ps`` prints them, for ``ls`` (easy on ``grep`` and ``awk``); else ruled, for
     ``top``'s panes."""
+    from rich import box  # here: ``--older``'s parser lives here too, and rich is
+    from rich.table import Table  # a fifth of elockctl's start-up
+
     table = Table(
         title=title,
         caption=caption,

@@ -5,7 +5,9 @@ closed and COMMAND runs: a throttle belongs to no session, so nothing has to be
 held while it runs. A limited run is one line on stderr and exit 1; a reply that
 is no answer about the rate (unreachable, ``413``, ``409 Backend Unavailable``)
 is exit 3, so a loop can tell "not now" from "cannot tell". COMMAND is run as
-``elockctl lock`` runs it, signals forwarded.
+``elockctl lock`` runs it, signals forwarded, but on the blocking client and
+without trio: a rate is asked for from loops, and elockctl's start-up is part of
+each call's cost.
 """
 
 from __future__ import annotations
@@ -15,32 +17,27 @@ import json
 import sys
 from typing import Any
 
-import trio
-
-from elockd.client import Client, ElockError, ThrottleResult
+from elockd.client import BlockingClient, ElockError, ThrottleResult
 from elockd.client.core import quoted
 from elockd.ctl.doors import hint
-from elockd.ctl.lock import run_command
+from elockd.ctl.signals import run_forwarding
 from elockd.ctl.status import EXIT_FALSE, failure, say, where
 
 #: The fields ``--peek`` prints, in order.
 FIELDS = ("admitted", "limit", "remaining", "retry_after", "reset_after")
 
 
-async def run_throttled(args: argparse.Namespace, options: dict[str, Any]) -> int:
+def run_throttled(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """Ask once (or wait up to ``-w``); run COMMAND when admitted; see THROTTLE_EPILOG."""
     count, period = args.rate
-    failed: ElockError | None = None
-    async with Client(**options) as client:
-        try:
-            result = await client.throttle(
+    try:
+        with BlockingClient(**options) as client:
+            result = client.throttle(
                 args.key, count, period, args.burst, args.cost, args.wait or None
             )
-        except ElockError as error:  # said below, not from inside the client's nursery
-            failed = error
-    if failed is not None:
-        status, message = failure(failed, where(options))
-        say(message + hint(failed, options, bool(args.tls_cert)))
+    except ElockError as error:
+        status, message = failure(error, where(options))
+        say(message + hint(error, options, bool(args.tls_cert)))
         return status
     if args.peek:
         print_result(result, args.json)
@@ -51,7 +48,7 @@ async def run_throttled(args: argparse.Namespace, options: dict[str, Any]) -> in
             f"retry after {result.retry_after:.3f} s"
         )
         return EXIT_FALSE
-    return await run_command(args.argv, trio.Event(), 0.0)
+    return run_forwarding(args.argv)
 
 
 def print_result(result: ThrottleResult, as_json: bool) -> None:
