@@ -14,33 +14,18 @@ line for each request (as before: the line copied out and folded every time).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Collection
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any, cast
 
 import trio
 
-from elockd.backend.cluster.etcd.client import KeyValue
-from elockd.backend.cluster.layout import Layout, tat_value, waiter_value
-from elockd.backend.cluster.throttle import ClusterThrottles
 from elockd.backend.cluster.throttle_book import Ahead, ThrottleBook
-from elockd.engine.gcra import Rate
 
-LAYOUT = Layout(b"/bench/")
-KEY = b"k"
-RATE = Rate(1000, 1.0, 1000, 1)
-WALL = 1_000_000.0
-
-
-def full_book(line: int) -> ThrottleBook:
-    """A spent burst, then ``line`` waiters joined in the watch's order."""
-    book = ThrottleBook(LAYOUT)
-    book.put(KeyValue(LAYOUT.tat(KEY), tat_value(WALL + RATE.capacity, "n1"), 1, 5, 0))
-    value = waiter_value("n1", RATE.interval, RATE.capacity)
-    for n in range(line):
-        book.put(KeyValue(LAYOUT.throttle_waiter(KEY, n + 1), value, 10 + n, 10 + n, 7))
-    return book
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.throttle_copy import KEY, RATE, copy_node, full_book
 
 
 def walking(book: ThrottleBook) -> None:
@@ -56,18 +41,7 @@ def walking(book: ThrottleBook) -> None:
 
 
 def seconds(book: ThrottleBook, requests: int) -> float:
-    node = ClusterThrottles(
-        cast(Any, None),  # no etcd: a refusal the copy proves sends nothing
-        cast(Any, SimpleNamespace(admitted=0, throttled=0)),
-        LAYOUT,
-        book,
-        lambda: 1 << 40,
-        cast(Any, None),
-        "n1",
-        max_throttles=10,
-        max_waiters=1 << 30,
-        wall=lambda: WALL,
-    )
+    node = copy_node(book)
 
     async def main() -> float:
         start = time.perf_counter()

@@ -9,7 +9,6 @@ the tests count the waiters iterated."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -18,8 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elockd.backend.cluster import throttle_book
-from elockd.backend.cluster.etcd.client import KeyValue
-from elockd.backend.cluster.layout import Layout, tat_value, waiter_value
 from elockd.backend.cluster.throttle import ClusterThrottles
 from elockd.backend.cluster.throttle_book import (
     NO_TAT,
@@ -31,23 +28,16 @@ from elockd.backend.cluster.throttle_book import (
     walk,
 )
 from elockd.engine.gcra import Rate, Verdict
-
-LAYOUT = Layout(b"/fold/")
-KEY = b"k"
-
-
-def tat_kv(tat: float, revision: int) -> KeyValue:
-    return KeyValue(LAYOUT.tat(KEY), tat_value(tat, "n1"), 1, revision, 0)
-
-
-def waiter_kv(waiter: int, revision: int, units: float, capacity: float) -> KeyValue:
-    return KeyValue(
-        LAYOUT.throttle_waiter(KEY, waiter),
-        waiter_value("n1", units, capacity),
-        revision,
-        revision,
-        7,
-    )
+from tests.support.throttle_copy import (
+    KEY,
+    LAYOUT,
+    RATE,
+    WALL,
+    copy_node,
+    full_book,
+    tat_kv,
+    waiter_kv,
+)
 
 
 class Model:
@@ -201,8 +191,6 @@ def test_snapshots_grow_fork_and_fold_alone(
 # ------------------------------------------------------------------ the work done
 
 LINE = 1000
-RATE = Rate(1000, 1.0, 1000, 1)  # a unit every ms, a burst of 1000
-WALL = 1_000_000.0
 
 
 @pytest.fixture
@@ -227,38 +215,6 @@ def iterated(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counted
 
 
-class NoEtcd:
-    """A refusal the node's copy proves sends nothing to etcd."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"etcd asked ({name}) for a refusal the copy proves")
-
-
-def throttles(book: ThrottleBook) -> ClusterThrottles:
-    ledger = SimpleNamespace(admitted=0, throttled=0)
-    return ClusterThrottles(
-        cast(Any, NoEtcd()),
-        cast(Any, ledger),
-        LAYOUT,
-        book,
-        lambda: 1 << 40,
-        cast(Any, None),
-        "n1",
-        max_throttles=10,
-        max_waiters=LINE + 10,
-        wall=lambda: WALL,
-    )
-
-
-def full_book() -> ThrottleBook:
-    """The burst spent at WALL, then LINE waiters of RATE joined in the watch's order."""
-    book = ThrottleBook(LAYOUT)
-    book.put(tat_kv(WALL + RATE.capacity, 5))
-    for n in range(LINE):
-        book.put(waiter_kv(n + 1, 10 + n, RATE.cost * RATE.interval, RATE.capacity))
-    return book
-
-
 def refuse(node: ClusterThrottles, count: int, wait: float = 0.0) -> list[Verdict]:
     async def main() -> list[Verdict]:
         return [await node.throttle(cast(Any, None), KEY, RATE, wait) for _ in range(count)]
@@ -269,7 +225,7 @@ def refuse(node: ClusterThrottles, count: int, wait: float = 0.0) -> list[Verdic
 def test_refusals_behind_a_long_line_walk_it_once(iterated: list[int]) -> None:
     """1,000 requests that do not wait, and 1,000 whose wait is shorter than their
     turn, behind 1,000 waiters: one walk of the line in all, not one each."""
-    node = throttles(full_book())
+    node = copy_node(full_book(LINE))
     assert iterated[0] == 0  # joining at the end walks nothing
     verdicts = refuse(node, 1000) + refuse(node, 1000, wait=0.0005)
     for verdict in verdicts:
@@ -283,8 +239,8 @@ def test_refusals_behind_a_long_line_walk_it_once(iterated: list[int]) -> None:
 def test_joins_between_refusals_extend_the_fold_without_a_walk(iterated: list[int]) -> None:
     """Waiters joining between the refusals (the watch's events interleave with
     local requests) each add one step: still one walk in all."""
-    book = full_book()
-    node = throttles(book)
+    book = full_book(LINE)
+    node = copy_node(book)
     for n in range(LINE):
         (verdict,) = refuse(node, 1)
         assert verdict.retry == pytest.approx((LINE + n + 1) / 1000)
@@ -293,8 +249,8 @@ def test_joins_between_refusals_extend_the_fold_without_a_walk(iterated: list[in
 
 
 def test_a_leave_or_a_new_tat_costs_one_walk_then_none(iterated: list[int]) -> None:
-    book = full_book()
-    node = throttles(book)
+    book = full_book(LINE)
+    node = copy_node(book)
     refuse(node, 10)
     walks = iterated[0]
     book.delete(LAYOUT.throttle_waiter(KEY, 500))  # one from the middle leaves
