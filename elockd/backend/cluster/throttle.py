@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +87,7 @@ class Seen:
     tat: float
     tat_revision: int
     head: bytes | None
-    ahead: list[Ahead]
+    ahead: Collection[Ahead]
     at: int
 
 

@@ -6,6 +6,12 @@ the whole prefix), so it holds, as of the mirror's revision, each key's TAT (on 
 wall clock: nodes share no monotonic clock) with the revision that wrote it, and
 each key's line of waiters ordered by create revision, as lock queues are.
 
+A line may be ``--max-waiters`` long, so a request behind it does not walk it: each
+line's fold (every waiter admitted at its earliest, :class:`Tail`) is kept with the
+copy of its waiters (:class:`Waiters`) and extended as waiters join at its end; a
+leave, or a join out of order (a reload), sets the copy aside and the next request
+that needs it walks the line once, as :mod:`elockd.engine.throttles` does.
+
 The rule, on top of :func:`elockd.engine.gcra.judge` (docs/cluster.md, "Throttles
 on a cluster"):
 
@@ -24,9 +30,12 @@ etcd refuses on etcd too.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
+from typing import NamedTuple
 
 from elockd.backend.cluster.etcd.client import KeyValue
 from elockd.backend.cluster.layout import Layout, parse_tat_value, parse_waiter_value
@@ -41,21 +50,123 @@ NO_TAT = float("-inf")
 Ahead = tuple[float, float]
 
 
-def behind(tat: float, now: float, rate: Rate, ahead: Sequence[Ahead]) -> Verdict:
+def behind(tat: float, now: float, rate: Rate, ahead: Collection[Ahead]) -> Verdict:
     """The 409 of a request that comes after the waiters ``ahead`` (oldest first),
     each admitted at its earliest: ``retry`` until its own turn, ``reset`` as the
-    key is now (the in-memory engine's rule, :mod:`elockd.engine.throttles`)."""
+    key is now (the in-memory engine's rule, :mod:`elockd.engine.throttles`).
+    O(1) on a :class:`Waiters` whose fold is kept for ``tat``; else it walks them."""
     reset = max(tat - now, 0.0)
-    when = now
-    for units, capacity in ahead:
-        when = max(when, tat + units - capacity)
-        tat = max(tat, when) + units
+    if isinstance(ahead, Waiters):
+        when, tat = ahead.end(tat, now)
+    else:
+        when, tat = walk(tat, now, ahead)
     mine = max(when, admit_at(tat, rate))
     return Verdict(False, rate.burst, 0, reset, mine - now)
 
 
+def walk(tat: float, now: float, ahead: Iterable[Ahead]) -> tuple[float, float]:
+    """The fold itself, from ``now``: (the last waiter's turn, the TAT after it)."""
+    when = now
+    for units, capacity in ahead:
+        when = max(when, tat + units - capacity)
+        tat = max(tat, when) + units
+    return when, tat
+
+
+class Tail(NamedTuple):
+    """Where a line ends if every waiter is admitted at its earliest, from a key at
+    ``tat``: :func:`walk` from ``-inf``. For any ``now`` up to ``first``, the
+    head's turn, the walk from ``now`` lands on ``first`` at its first step and then
+    takes the same steps, so it ends at (``when``, ``end``) too, float for float."""
+
+    tat: float
+    first: float
+    when: float
+    end: float
+
+
+class Waiters:
+    """A line's waiters as one look saw them, oldest first, with their fold kept.
+
+    A snapshot: it never changes. Snapshots of one line share a list that is only
+    ever appended to (each reads its first ``len`` items), so a join makes the next
+    snapshot in O(1) and extends the kept :class:`Tail` by one step; anything else
+    makes a new list."""
+
+    __slots__ = ("_items", "_length", "_tail")
+
+    def __init__(self, items: list[Ahead] | None = None) -> None:
+        self._items: list[Ahead] = [] if items is None else items
+        self._length = len(self._items)
+        self._tail: Tail | None = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[Ahead]:
+        if len(self._items) == self._length:
+            return iter(self._items)
+        return islice(self._items, self._length)
+
+    def __contains__(self, item: object) -> bool:
+        return any(item == waiter for waiter in self)
+
+    @staticmethod
+    def _of(items: list[Ahead], length: int, tail: Tail | None) -> Waiters:
+        made = Waiters.__new__(Waiters)
+        made._items, made._length, made._tail = items, length, tail
+        return made
+
+    def prefix(self, length: int) -> Waiters:
+        """The first ``length`` waiters (the ones ahead of a waiter), in O(1)."""
+        return self if length >= self._length else Waiters._of(self._items, length, None)
+
+    def joined(self, units: float, capacity: float) -> Waiters:
+        """These waiters and one more at the end; the kept fold takes its step."""
+        items = self._items
+        if len(items) != self._length:  # a later snapshot grew the list: a copy
+            items = items[: self._length]
+        items.append((units, capacity))
+        tail = self._tail
+        if tail is not None:
+            when = max(tail.when, tail.end + units - capacity)
+            first = when if self._length == 0 else tail.first
+            tail = Tail(tail.tat, first, when, max(tail.end, when) + units)
+        return Waiters._of(items, self._length + 1, tail)
+
+    def fold(self, tat: float) -> Tail:
+        """The fold from a key at ``tat``: the kept one, or walked once and kept."""
+        tail = self._tail
+        if tail is None or tail.tat != tat:
+            first: float | None = None
+            when, end = -math.inf, tat
+            for units, capacity in self:
+                when = max(when, end + units - capacity)
+                if first is None:
+                    first = when
+                end = max(end, when) + units
+            tail = self._tail = Tail(tat, math.inf if first is None else first, when, end)
+        return tail
+
+    def end(self, tat: float, now: float) -> tuple[float, float]:
+        """:func:`walk` of these waiters from ``now`` on a key at ``tat``: the kept
+        fold while ``now`` is not past the head's turn, else the walk itself (the
+        head is late: its node is about to admit it, which changes the TAT)."""
+        if not self._length:
+            return now, tat
+        tail = self._tail
+        if tail is None or tail.tat != tat:
+            units, capacity = self._items[0]
+            if now > tat + units - capacity:  # the head's turn, as the walk has it
+                return walk(tat, now, self)
+            tail = self.fold(tat)
+        if now <= tail.first:
+            return tail.when, tail.end
+        return walk(tat, now, self)
+
+
 def judge_in_line(
-    tat: float, now: float, rate: Rate, ahead: Sequence[Ahead]
+    tat: float, now: float, rate: Rate, ahead: Collection[Ahead]
 ) -> tuple[Verdict, float]:
     """A request on a key at ``tat`` whose line holds ``ahead``: (verdict, TAT
     after). With anyone in line it is refused: it never overtakes them. A peek
@@ -97,14 +208,47 @@ class LineEntry:
 class Line:
     """One key's waiters, oldest first."""
 
-    __slots__ = ("entries", "revisions")
+    __slots__ = ("_waiters", "entries", "revisions")
 
     def __init__(self) -> None:
         self.revisions: list[int] = []
         self.entries: dict[int, LineEntry] = {}
+        #: The waiters as :class:`Waiters` (None: set aside, made again when asked).
+        self._waiters: Waiters | None = Waiters()
 
-    def ahead(self, revision: int, *, skip: int = 0) -> list[Ahead]:
+    def add(self, entry: LineEntry) -> None:
+        """A waiter joins: at the end (the watch's order), its step goes on the kept
+        fold; anywhere else (a reload reads the line in key order) the kept copy is
+        set aside."""
+        revisions, revision = self.revisions, entry.revision
+        if not revisions or revision > revisions[-1]:
+            revisions.append(revision)
+            if self._waiters is not None:
+                self._waiters = self._waiters.joined(entry.units, entry.capacity)
+        else:
+            insort(revisions, revision)
+            self._waiters = None
+        self.entries[revision] = entry
+
+    def remove(self, revision: int) -> None:
+        del self.entries[revision]
+        del self.revisions[bisect_left(self.revisions, revision)]
+        self._waiters = None
+
+    def waiters(self) -> Waiters:
+        """Every waiter, as a snapshot later changes leave alone."""
+        waiters = self._waiters
+        if waiters is None:
+            entries = self.entries
+            waiters = self._waiters = Waiters(
+                [(entries[r].units, entries[r].capacity) for r in self.revisions]
+            )
+        return waiters
+
+    def ahead(self, revision: int, *, skip: int = 0) -> Collection[Ahead]:
         """The waiters older than ``revision`` (but ``skip``), oldest first."""
+        if not skip:
+            return self.waiters().prefix(bisect_left(self.revisions, revision))
         found = []
         for r in self.revisions:
             if r >= revision:
@@ -151,10 +295,7 @@ class ThrottleBook:
             line = self.lines.get(key)
             if line is None:
                 line = self.lines[key] = Line()
-            insort(line.revisions, kv.create_revision)
-            line.entries[kv.create_revision] = LineEntry(
-                kv.key, kv.create_revision, units, capacity, kv.lease, node
-            )
+            line.add(LineEntry(kv.key, kv.create_revision, units, capacity, kv.lease, node))
             self._located[kv.key] = (key, kv.create_revision)
             self.waiting += 1
         self._changed(key)
@@ -171,8 +312,7 @@ class ThrottleBook:
             if where is None:
                 return
             line = self.lines[key]
-            del line.entries[where[1]]
-            del line.revisions[bisect_left(line.revisions, where[1])]
+            line.remove(where[1])
             if not line.revisions:
                 del self.lines[key]
             self.waiting -= 1
@@ -197,10 +337,11 @@ class ThrottleBook:
     def tat(self, key: bytes) -> Tat | None:
         return self.tats.get(key)
 
-    def ahead(self, key: bytes, before: int = 1 << 62, *, skip: int = 0) -> list[Ahead]:
-        """``key``'s waiters older than ``before`` (all by default; but ``skip``)."""
+    def ahead(self, key: bytes, before: int = 1 << 62, *, skip: int = 0) -> Collection[Ahead]:
+        """``key``'s waiters older than ``before`` (all by default; but ``skip``): a
+        :class:`Waiters` whose fold is kept, unless ``skip`` is given."""
         line = self.lines.get(key)
-        return [] if line is None else line.ahead(before, skip=skip)
+        return () if line is None else line.ahead(before, skip=skip)
 
     def line_length(self, key: bytes) -> int:
         line = self.lines.get(key)
