@@ -5,9 +5,12 @@ as a black box: node A on the real clock, node B under libfaketime with its
 The key is seeded with its burst through the node whose clock is behind, then
 clients on both nodes hammer it with try-once requests for RUN_SECONDS. The node
 ahead judges the TATs the node behind wrote δ seconds older than they are, so the
-seed hands it up to δ·COUNT/PERIOD units on top of what one server would admit:
-the worst case of the skew, whichever node is the one off. Every run must stay
-within ``B + W·rate + |δ|·rate + 1`` (W the client's window, which holds the
+seed hands it units on top of what one server would admit: the worst case of the
+skew, and the same whichever node is the one off (B behind or B ahead). With two
+nodes the extra is at most min(δ·COUNT/PERIOD, B): the node ahead can carry on
+from the TAT of the node behind without a gap only while that TAT is ahead of
+real time. Every run must stay within ``B + W·rate + min(|δ|·rate, B) + 1`` (W
+the client's window, from the first request to the last 200, which holds the
 nodes'); with δ = 0 the same run stays within ``B + W·rate + 1``, and with the
 skew it passes that, so the skew is real and the bound is the one that holds.
 
