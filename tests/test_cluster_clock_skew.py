@@ -81,8 +81,9 @@ def test_libfaketime_offsets_the_wall_clock_only(offset: float) -> None:
     wall, mono, wall_step, mono_step = map(float, probe.stdout.split())
     assert wall_before + offset <= wall <= wall_after + offset, probe.stdout
     assert mono_before <= mono <= mono_after, probe.stdout
-    assert 0.29 <= wall_step <= 0.5, probe.stdout
-    assert 0.29 <= mono_step <= 0.5, probe.stdout
+    # Both run, at the same pace (libfaketime's cache never freezes the offset).
+    assert mono_step >= 0.29, probe.stdout
+    assert abs(wall_step - mono_step) <= 0.01, probe.stdout
 
 
 async def skewed_run(
