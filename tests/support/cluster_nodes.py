@@ -68,9 +68,13 @@ class Nodes:
             str(TEST_SESSION_TTL),
         )
 
-    def start(self, *args: str, endpoints: list[str] | None = None) -> Node:
+    def start(
+        self, *args: str, endpoints: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> Node:
+        """A node with this cluster's flags and ``args``; ``env``, when given, is its
+        whole environment."""
         log: list[str] = []
-        process, port = start_server(*self.flags(endpoints), *args, log=log)
+        process, port = start_server(*self.flags(endpoints), *args, log=log, env=env)
         node = Node(process, port, log)
         self.started.append(node)
         return node
