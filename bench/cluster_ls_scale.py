@@ -14,19 +14,20 @@ so what is measured is the mirror at scale, on two nodes of a real 3-member etcd
 How the locks are made. Through node A, ``--through-node`` locks (the 10 ``jobs/``
 keys among them) are taken by ``--connections`` connections, each pipelining ``g``:
 the node's own path (group commit), whose rate is reported. The rest are written
-straight into etcd as queue entries (the layout of elockd/backend/cluster/layout.py,
-values from its ``entry_value``), 1,000 puts a txn, bound to one lease of
-``--seed-ttl``: at the node's rate (about 2,000 grants/s on this box) a million would
-take most of an hour, and the mirror of either node cannot tell the two apart (it
-lists entries, whoever wrote them); only node A's own books (its sessions' holds) are
+straight into etcd as queue entries (tests/support/ls_scale.py: the layout of
+elockd/backend/cluster/layout.py, values from its ``entry_value``, a session tag
+each), 1,000 puts a txn, bound to one lease of ``--seed-ttl``: at the node's rate
+(600-900 grants/s measured here, with other work on the box) a million would take
+20 to 30 minutes, and the mirror of either node cannot tell the two apart (it lists
+entries, whoever wrote them); only node A's own books (its sessions' holds) are
 smaller than if it had granted all of them. Both nodes watch while the entries are
 written, so each applies every one of them as watch events.
 
 Measurements are taken at each of ``--locks`` (ascending; the locks of one stage are
 kept for the next). etcd runs with ``--quota-backend-bytes`` 8 GiB and
-``--max-txn-ops`` 1,024; the nodes with ``--max-holds`` and ``--max-connections``
-raised to what the through-node locks need. Everything is stopped by pid at the
-end and the temporary directory removed.
+``--max-txn-ops`` 1,024; the nodes with ``--session-ttl 10`` and ``--max-holds``
+raised to ``--through-node`` (one connection may take them all). Everything is
+stopped by pid at the end (a SIGTERM too) and the temporary directory removed.
 
     .venv/bin/python bench/cluster_ls_scale.py --locks 200000 500000 1000000
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import socket
 import statistics
@@ -161,6 +163,11 @@ def print_warnings(name: str, log: list[str]) -> None:
         print("".join(bad[-10:]), end="")
 
 
+def load() -> str:
+    """The box's 1/5/15-minute load average: other work on it shows in every figure."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--locks", type=int, nargs="+", default=[1_000_000])
@@ -192,6 +199,7 @@ def main() -> None:
             nodes[name] = (process.pid, port)
         empty = {name: rss_bytes(pid) for name, (pid, _) in nodes.items()}
         print(f"etcd 3 members {' '.join(ETCD_FLAGS)}; nodes A, B: {' '.join(flags[4:])}")
+        print(f"load average at the start: {load()} ({os.cpu_count()} cores)")
         print(f"empty nodes' RSS: A {empty['A'] / MB:.0f} MiB, B {empty['B'] / MB:.0f} MiB",
               flush=True)  # fmt: skip
         port_a, port_b = nodes["A"][1], nodes["B"][1]
@@ -222,6 +230,7 @@ def main() -> None:
                       f"entries; RSS {(rss_bytes(nodes[name][0]) - empty[name]) / locks:.0f} "
                       f"bytes/lock over empty", flush=True)  # fmt: skip
             stage(nodes, locks, locks + 2 * (number + 1), args.requests, cluster)
+            print(f"load average: {load()}", flush=True)
 
 
 if __name__ == "__main__":
