@@ -133,6 +133,55 @@ def test_multi_key_waiter_waits_for_every_queue() -> None:
     assert (both.state, later.state) == (GRANTED, WAITING)
 
 
+def test_an_mlock_of_five_thousand_keys_is_granted_in_one_piece() -> None:
+    """An ``mlock`` is as many queues deep as it has keys, and --max-keys may be
+    raised far past Python's recursion limit: its grant walks them with a stack of
+    its own (it once recursed per key, and RecursionError took the node down)."""
+    mirror = QueueMirror(LAYOUT)
+    keys = [b"m%d" % index for index in range(5000)]
+    mirror.apply([put(EXCLUSIVE, b"m0", 1, 10, 1)])
+    mirror.apply([put(EXCLUSIVE, key, 2, 11, 1) for key in keys])
+    waiter = ClusterWaiter([(EXCLUSIVE, key) for key in keys], 1)
+    waiter.revision = 11
+    mirror.add_waiter(waiter)
+    assert waiter.state == WAITING  # m0 is held by tag 1
+    mirror.apply([delete(EXCLUSIVE, b"m0", 1, 12)])
+    assert waiter.state == GRANTED
+    entries = [mirror.entry(LAYOUT.entry(EXCLUSIVE, key, 2)) for key in keys]
+    assert all(entry is not None and entry.holding for entry in entries)
+
+
+class NoWalk(dict[int, object]):
+    """A session's requests that must not be walked, only looked up."""
+
+    def items(self):  # type: ignore[no-untyped-def,override]
+        raise AssertionError("the session's entries were walked")
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("the session's entries were walked")
+
+
+def test_a_grant_looks_up_its_own_request_not_every_entry_of_its_session() -> None:
+    """A session that holds 10,000 locks (--max-holds' default) and is granted one
+    more: finding the grant's siblings (an ``mlock``'s other keys) costs its own
+    request, not a walk over the session's 10,000 entries on every node."""
+    mirror = QueueMirror(LAYOUT)
+    mirror.apply([put(EXCLUSIVE, b"h%d" % index, 7, 100 + index, 1) for index in range(10_000)])
+    mirror.apply([put(EXCLUSIVE, b"busy", 8, 20_000, 1)])
+    mirror.apply([put(EXCLUSIVE, b"busy", 7, 20_001, 1)])  # tag 7 waits for it
+    mirror.apply([put(EXCLUSIVE, b"p", 7, 20_002, 1), put(EXCLUSIVE, b"q", 7, 20_002, 1)])
+    mirror.by_tag[7] = NoWalk(mirror.by_tag[7])
+    mirror.apply([delete(EXCLUSIVE, b"busy", 8, 20_003)])
+    granted = mirror.entry(LAYOUT.entry(EXCLUSIVE, b"busy", 7))
+    assert granted is not None and granted.holding
+    # The index it looked in: a request of one key is its key, an mlock's a list.
+    assert dict.__getitem__(mirror.by_tag[7], 20_001) == LAYOUT.entry(EXCLUSIVE, b"busy", 7)
+    assert dict.__getitem__(mirror.by_tag[7], 20_002) == [
+        LAYOUT.entry(EXCLUSIVE, b"p", 7),
+        LAYOUT.entry(EXCLUSIVE, b"q", 7),
+    ]
+
+
 def test_counts_for_q() -> None:
     mirror = QueueMirror(LAYOUT)
     mirror.load(

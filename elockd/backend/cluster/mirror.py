@@ -226,8 +226,10 @@ class QueueMirror:
         self.revision = 0
         self.queues: dict[QueueId, Queue] = {}
         self._located: dict[bytes, tuple[QueueId, int]] = {}  # etcd key -> where it is
-        # Every entry by its session's tag: etcd key -> create revision.
-        self.by_tag: dict[int, dict[bytes, int]] = {}
+        # Every entry by its session's tag, then by the request that wrote it (its
+        # create revision): its etcd key, or the keys of an ``mlock``'s entries. So
+        # finding an entry's siblings costs O(its request), not O(the session).
+        self.by_tag: dict[int, dict[int, bytes | list[bytes]]] = {}
         self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
         self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
         #: The revision etcd was at when the current watch stream was created: the
@@ -325,7 +327,7 @@ class QueueMirror:
                 where = self._located.pop(kv.key, None)
                 if where is not None:
                     queue_id, revision = where
-                    self._unindex(kv.key)
+                    self._unindex(kv.key, revision)
                     self._remove(queue_id, revision)
                     touched.add(queue_id)
                     self._changed.add(queue_id)  # its next entry may hold now
@@ -400,32 +402,40 @@ class QueueMirror:
     def _holds_in(self, queue_id: QueueId, seen: set[QueueId]) -> Iterator[tuple[QueueId, Entry]]:
         """The entries of ``queue_id`` that hold and are not flagged yet (and, for an
         exclusive head that waited for other queues of its request, theirs)."""
-        if queue_id in seen:
-            return
-        seen.add(queue_id)
-        queue = self.queues.get(queue_id)
-        if queue is None:
-            return
-        if queue_id[0] == SHARED:
-            for entry in queue.in_order():
-                if entry.holds_shared and not entry.holding:
-                    yield queue_id, entry
-            return
-        head = queue.head()
-        if head.holding:
-            return
-        siblings = self._siblings(head, queue_id)
-        if all(self.queues[other].head() is entry for other, entry in siblings):
-            yield queue_id, head
-            for other, _ in siblings:
-                yield from self._holds_in(other, seen)
+        # Depth first, with a stack of its own: an ``mlock`` of N keys is N queues
+        # deep, and N is --max-keys, which may be raised past Python's recursion limit.
+        stack = [queue_id]
+        while stack:
+            queue_id = stack.pop()
+            if queue_id in seen:
+                continue
+            seen.add(queue_id)
+            queue = self.queues.get(queue_id)
+            if queue is None:
+                continue
+            if queue_id[0] == SHARED:
+                for entry in queue.in_order():
+                    if entry.holds_shared and not entry.holding:
+                        yield queue_id, entry
+                continue
+            head = queue.head()
+            if head.holding:
+                continue
+            siblings = self._siblings(head, queue_id)
+            if all(self.queues[other].head() is entry for other, entry in siblings):
+                yield queue_id, head
+                stack.extend(other for other, _ in reversed(siblings))
 
     def _siblings(self, entry: Entry, queue_id: QueueId) -> list[tuple[QueueId, Entry]]:
         """The other entries of an exclusive entry's request: the session's entries
         in other exclusive queues created at the same revision (an ``mlock``)."""
         found = []
-        for etcd_key, revision in self.by_tag.get(entry.tag, {}).items():
-            if revision != entry.revision or etcd_key == entry.etcd_key:
+        request = self.by_tag.get(entry.tag, {}).get(entry.revision)
+        if not isinstance(request, list):
+            return found  # a request of one key: none
+        revision = entry.revision
+        for etcd_key in request:
+            if etcd_key == entry.etcd_key:
                 continue
             where = self._located.get(etcd_key)
             if where is not None and where[0][0] == EXCLUSIVE and where[0] != queue_id:
@@ -487,8 +497,19 @@ class QueueMirror:
         else:
             self.exclusive_entries += old is None
         self._located[kv.key] = (name.queue, kv.create_revision)
-        self.by_tag.setdefault(name.tag, {})[kv.key] = kv.create_revision
+        self._index(name.tag, kv.create_revision, kv.key)
         return name.queue
+
+    def _index(self, tag: int, revision: int, etcd_key: bytes) -> None:
+        requests = self.by_tag.setdefault(tag, {})
+        request = requests.get(revision)
+        if request is None:
+            requests[revision] = etcd_key  # a request of one key: no list
+        elif isinstance(request, list):
+            if etcd_key not in request:  # (a put again: a mark of ``held``)
+                request.append(etcd_key)
+        elif request != etcd_key:
+            requests[revision] = [request, etcd_key]
 
     def _remove(self, queue_id: QueueId, revision: int) -> None:
         queue = self.queues[queue_id]
@@ -514,15 +535,23 @@ class QueueMirror:
             else:
                 self.exclusive_queues -= 1
 
-    def _unindex(self, etcd_key: bytes) -> None:
+    def _unindex(self, etcd_key: bytes, revision: int) -> None:
         name = self.layout.parse_entry(etcd_key)
         if name is None:
             return
-        entries = self.by_tag.get(name.tag)
-        if entries is not None:
-            entries.pop(etcd_key, None)
-            if not entries:
-                del self.by_tag[name.tag]
+        requests = self.by_tag.get(name.tag)
+        if requests is None:
+            return
+        request = requests.get(revision)
+        if isinstance(request, list):
+            if etcd_key in request:
+                request.remove(etcd_key)
+            if len(request) == 1:
+                requests[revision] = request[0]
+        elif request == etcd_key:
+            del requests[revision]
+        if not requests:
+            del self.by_tag[name.tag]
 
     def entry(self, etcd_key: bytes) -> Entry | None:
         """The entry at ``etcd_key``, as far as the mirror has got."""
@@ -536,10 +565,11 @@ class QueueMirror:
         """(etcd key, create revision) of every entry of the session ``tag`` that is
         bound to ``lease``: what a node may free for a session of its own."""
         found = []
-        for etcd_key, revision in self.by_tag.get(tag, {}).items():
-            entry = self.entry(etcd_key)
-            if entry is not None and entry.lease == lease:
-                found.append((etcd_key, revision))
+        for revision, request in self.by_tag.get(tag, {}).items():
+            for etcd_key in request if isinstance(request, list) else (request,):
+                entry = self.entry(etcd_key)
+                if entry is not None and entry.lease == lease:
+                    found.append((etcd_key, revision))
         return found
 
     # ---------------------------------------------------------------- waiters
