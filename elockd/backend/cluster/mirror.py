@@ -429,7 +429,7 @@ class QueueMirror:
     def _siblings(self, entry: Entry, queue_id: QueueId) -> list[tuple[QueueId, Entry]]:
         """The other entries of an exclusive entry's request: the session's entries
         in other exclusive queues created at the same revision (an ``mlock``)."""
-        found = []
+        found: list[tuple[QueueId, Entry]] = []
         request = self.by_tag.get(entry.tag, {}).get(entry.revision)
         if not isinstance(request, list):
             return found  # a request of one key: none
