@@ -134,9 +134,10 @@ def test_multi_key_waiter_waits_for_every_queue() -> None:
 
 
 def test_an_mlock_of_five_thousand_keys_is_granted_in_one_piece() -> None:
-    """An ``mlock`` is as many queues deep as it has keys, and --max-keys may be
-    raised far past Python's recursion limit: its grant walks them with a stack of
-    its own (it once recursed per key, and RecursionError took the node down)."""
+    """An ``mlock`` is as many queues deep as it has keys. elockd writes at most 64
+    on a cluster, but the mirror reads whatever is in etcd: its grant walks them
+    with a stack of its own (it once recursed per key, and 1,000 entries of one
+    request, written by a seeding script, took every node down with RecursionError)."""
     mirror = QueueMirror(LAYOUT)
     keys = [b"m%d" % index for index in range(5000)]
     mirror.apply([put(EXCLUSIVE, b"m0", 1, 10, 1)])

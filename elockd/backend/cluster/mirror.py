@@ -403,7 +403,8 @@ class QueueMirror:
         """The entries of ``queue_id`` that hold and are not flagged yet (and, for an
         exclusive head that waited for other queues of its request, theirs)."""
         # Depth first, with a stack of its own: an ``mlock`` of N keys is N queues
-        # deep, and N is --max-keys, which may be raised past Python's recursion limit.
+        # deep, and the mirror reads whatever etcd holds (elockd writes N <= 64; a
+        # foreign writer, more than Python's recursion limit).
         stack = [queue_id]
         while stack:
             queue_id = stack.pop()
