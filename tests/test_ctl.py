@@ -617,3 +617,10 @@ def test_version_comes_from_the_package() -> None:
         [sys.executable, "-m", "elockd.ctl", "--version"], capture_output=True, text=True
     )
     assert (result.returncode, result.stdout) == (0, f"elockctl {metadata.version('elockd')}\n")
+
+
+def test_every_command_of_its_own_names_a_runner_that_exists() -> None:
+    """The runners are looked up by name when their command runs: a wrong name would
+    show only then."""
+    for command in ctl.RUNNERS:
+        assert callable(ctl.runner_of(command)), command

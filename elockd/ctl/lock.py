@@ -35,6 +35,11 @@ from elockd.ctl.signals import (
 from elockd.ctl.status import EXIT_LOST, failure, say, where
 
 
+def run_lock(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``elockctl lock``: :func:`run_locked` in a trio run of its own."""
+    return trio.run(run_locked, args, options)
+
+
 async def run_locked(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """Hold the lock for exactly as long as COMMAND runs; see LOCK_EPILOG."""
     lost = trio.Event()

@@ -12,6 +12,7 @@ Whatever goes wrong is said in one line that names the server, never a traceback
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(parser, list(sys.argv[1:] if argv is None else argv))
     options = client_options(parser, args)
     try:
-        return RUNNERS.get(args.command, run_one_liner)(args, options)
+        return runner_of(args.command)(args, options)
     except BrokenPipeError:  # `elockctl stats | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FALSE
@@ -67,49 +68,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 Runner = Callable[[argparse.Namespace, dict[str, Any]], int]
 
-
-def run_lock(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    import trio
-
-    from elockd.ctl import lock
-
-    return trio.run(lock.run_locked, args, options)
-
-
-def run_throttle(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from elockd.ctl import throttle
-
-    return throttle.run_throttled(args, options)
+#: A command of its own: the module under elockd.ctl that runs it, and its runner.
+RUNNERS = {
+    "lock": ("lock", "run_lock"),
+    "throttle": ("throttle", "run_throttled"),
+    "upgrade": ("upgrade", "run_upgrade"),
+    "ls": ("operate", "run_ls"),
+    "kill": ("operate", "run_kill"),
+    "watch": ("watch", "run_watch"),
+    "top": ("top", "run_top"),
+}
 
 
-def run_upgrade(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from elockd.ctl import upgrade
-
-    return upgrade.run_upgrade(args)
-
-
-def run_ls(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from elockd.ctl import operate
-
-    return operate.run_ls(args, options)
-
-
-def run_kill(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from elockd.ctl import operate
-
-    return operate.run_kill(args, options)
-
-
-def run_watch(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from elockd.ctl import watch
-
-    return watch.run_watch(args, options)
-
-
-def run_top(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from elockd.ctl import top
-
-    return top.run_top(args, options)
+def runner_of(command: str) -> Runner:
+    """The runner of ``command``, its module imported now; the one-liners' runner
+    for the rest."""
+    if command not in RUNNERS:
+        return run_one_liner
+    module, name = RUNNERS[command]
+    runner: Runner = getattr(importlib.import_module(f"elockd.ctl.{module}"), name)
+    return runner
 
 
 # ---------------------------------------------------------------- one-liners
@@ -170,17 +148,6 @@ def print_stats(values: dict[str, int], as_json: bool) -> None:
     width = max(len(name) for name in values)
     for name, value in values.items():
         sys.stdout.write(f"{name:<{width}}  {value:>12}\n")
-
-
-RUNNERS: dict[str, Runner] = {
-    "lock": run_lock,
-    "throttle": run_throttle,
-    "upgrade": run_upgrade,
-    "ls": run_ls,
-    "kill": run_kill,
-    "watch": run_watch,
-    "top": run_top,
-}
 
 
 if __name__ == "__main__":

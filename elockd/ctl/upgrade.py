@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from elockd.ctl.status import EXIT_ERROR, EXIT_USAGE, say
 from elockd.systemd import send_notification
@@ -48,7 +48,9 @@ def elockd_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "elockd"]
 
 
-def run_upgrade(args: argparse.Namespace) -> int:
+def run_upgrade(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``elockctl upgrade`` (``options``, the lock port's, are not used: it speaks to
+    the control socket)."""
     control: str = args.control
     if not Path(control).exists():
         say(f"upgrade: {control}: no control socket (start elockd with --control-socket)")
