@@ -346,14 +346,26 @@ class Run:
                 await trio.sleep(0.05)
         return None
 
-    async def chase(self, key: str) -> None:
-        """A client of node B that waits for ``key`` (a key A's client holds), so that
-        B's grant after the cut is there to measure A's lead against, whatever keys
-        the contenders happen to pick; it holds the key a moment, then lets go."""
+    async def wait_then_hold(
+        self,
+        client: str,
+        node: str,
+        key: str,
+        seconds: float,
+        *,
+        through_cuts: bool = True,
+        queued: trio.Event | None = None,
+    ) -> None:
+        """One scripted client: ``lock key`` (waiting in line; ``queued`` is set once
+        it is connected), hold it ``seconds`` (polling), then unlock, unless told lost."""
         try:
-            line = await self.connect("b")
-            hold = await self.lock(line, "b-chaser", "b", key)
-            if hold is not None and await self.hold_for(line, hold, 0.5, through_cuts=False):
+            line = await self.connect(node)
+            if queued is not None:
+                queued.set()
+            hold = await self.lock(line, client, node, key)
+            if hold is not None and await self.hold_for(
+                line, hold, seconds, through_cuts=through_cuts
+            ):
                 await self.unlock(line, hold)
         except GONE:
             self.note("<closed>")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures
+import functools
 import json
 import random
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 import trio
 
 from tests.support.netns import run_in
-from tests.support.partition_clients import CLIENTS_PER_NODE, GONE, Figures, Outcome, Run, figures
+from tests.support.partition_clients import CLIENTS_PER_NODE, Figures, Outcome, Run, figures
 from tests.support.partition_lab import Lab, lab, why_no_lab
 
 # ----------------------------------------------------------------- scenarios
@@ -59,7 +60,13 @@ def node_cut(mode: str, ttl: int) -> Scenario:
         held = await run.a_holds()
         async with trio.open_nursery() as nursery:
             if held is not None:
-                nursery.start_soon(run.chase, held.key)
+                # B's client waits for the key A's holds, so that B's grant after the
+                # cut is there to measure A's lead against, whatever keys the
+                # contenders happen to pick.
+                chase = functools.partial(
+                    run.wait_then_hold, "b-chaser", "b", held.key, 0.5, through_cuts=False
+                )
+                nursery.start_soon(chase)
                 await trio.sleep(0.15)  # the chaser's ``lock`` is in etcd's queue by now
             await run.cut(f"A cut from etcd ({mode})", lambda: lab.cut_node_from_etcd("a", mode))
             # Past etcd's expiry of A's lease (TTL) and past when A used to tell its
@@ -140,23 +147,15 @@ def stale_watch(mode: str, ttl: int) -> Scenario:
     at 1.36 TTL (6.8 s). A must not grant its waiter from a stale view."""
 
     async def script(lab: Lab, run: Run, rng: random.Random) -> None:
-        async def waiter(client: str, node: str, queued: trio.Event) -> None:
-            line = await run.connect(node)
-            queued.set()
-            try:
-                hold = await run.lock(line, client, node, "x0")
-                if hold is not None and await run.hold_for(line, hold, 3.0):
-                    await run.unlock(line, hold)
-            except GONE:
-                run.note("<closed>")
-
         holder_line = await run.connect("b")
         holder = await run.lock(holder_line, "b-holder", "b", "x0")
         assert holder is not None, "the first lock of x0 was not granted"
         async with trio.open_nursery() as nursery:
             for client, node in (("a-waiter", "a"), ("b-waiter", "b")):
                 queued = trio.Event()
-                nursery.start_soon(waiter, client, node, queued)
+                nursery.start_soon(
+                    functools.partial(run.wait_then_hold, client, node, "x0", 3.0, queued=queued)
+                )
                 await queued.wait()
                 await trio.sleep(0.5)  # its ``lock`` is in etcd's queue by now
             await run.cut(f"A cut from etcd ({mode})", lambda: lab.cut_node_from_etcd("a", mode))
