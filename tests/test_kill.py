@@ -107,6 +107,9 @@ async def test_kill_needs_the_admin_token(
     holder = await client_with(server, LOCK_TOKEN)
     assert await holder.request(b"lock k") == b"200 Acquired"
     assert await holder.request(b"kill k") == b"403 Forbidden"
+    # Refused before its key is read (the line's shape is checked first, as for
+    # every verb): a non-operator learns nothing of the key.
+    assert await holder.request(b"kill") == b"403 Forbidden"
     unauthenticated = await server.connect()
     assert await unauthenticated.request(b"kill k") == b"403 Auth Required"
     admin = await client_with(server, ADMIN_TOKEN)
