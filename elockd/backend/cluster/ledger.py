@@ -159,6 +159,9 @@ class Ledger(Bookkeeping):
         #: Tags of sessions another node took over, until when (this node's clock):
         #: their entries still on this node's lease are that node's to move or free.
         self.moved_tags: dict[int, float] = {}
+        #: Tags of sessions whose entries a takeover here is moving onto this node's
+        #: lease: the stray sweep leaves them until their holds are recorded.
+        self.adopting: set[int] = set()
         self.sessions_lost = 0
         self.local_waiting = 0
         #: The waiting request of each session that has one, by session id.

@@ -310,13 +310,13 @@ class ClusterNode:
         if not lease:
             return
         now = trio.current_time()
-        moved = self.ledger.moved_tags
+        moved, adopting = self.ledger.moved_tags, self.ledger.adopting
         for tag, until in list(moved.items()):
             if until < now:
                 del moved[tag]
         for tag in list(self.mirror.by_tag):
             session = self.ledger.by_tag.get(tag)
-            if (session is not None and session.lost) or tag in moved:
+            if (session is not None and session.lost) or tag in moved or tag in adopting:
                 continue
             entries = self.mirror.entries_on(tag, lease)
             if session is None:

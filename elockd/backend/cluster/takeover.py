@@ -128,7 +128,11 @@ class Takeover:
         # Known by its tag before its entries move onto this node's lease, so the
         # stray sweep counts them as a session's. If moving them fails, the old
         # node's lease frees what did not move, and the sweep what did.
+        # While they move (several txns for many entries) and until their holds are
+        # recorded, the sweep leaves them: moved but not yet held, they would look
+        # like strays of this session.
         self.ledger.by_tag[session.tag] = session
+        self.ledger.adopting.add(session.tag)
         try:
             await self._adopt_entries(session, record.lease)
         except BackendUnavailable:
@@ -137,6 +141,8 @@ class Takeover:
             # Let a later conn_id (here or elsewhere) try again.
             self.calls.spawn(lambda: self._release_claim(session), "session record")
             raise
+        finally:
+            self.ledger.adopting.discard(session.tag)
         if session_id in self.ledger.sessions:
             return None
         self.ledger.sessions[session_id] = session
