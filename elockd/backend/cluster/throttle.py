@@ -199,6 +199,7 @@ class ClusterThrottles:
                 self._reads(key),
             )
             if result.succeeded:
+                self.book.wrote(key, after, result.revision, self.node_id)
                 return self._answered(verdict)
             seen = _read(result, 0)
         raise BackendUnavailable("throttle: too many requests on one key raced this one")
@@ -222,6 +223,7 @@ class ClusterThrottles:
                 put = put_op(tat_key, tat_value(after, self.node_id))
                 result = await self.calls.txn(self._guard(key, seen), [put], queue)
                 if result.succeeded:
+                    self.book.wrote(key, after, result.revision, self.node_id)
                     return self._answered(verdict)
             else:
                 result = await self.calls.txn([], queue)
@@ -349,6 +351,7 @@ class ClusterThrottles:
             self._reads(state.key, head_only=True),
         )
         if result.succeeded:
+            self.book.wrote(state.key, after, result.revision, self.node_id)
             return verdict, None
         fresh = _read(result, 0, before=state.revision)
         if fresh.head != state.etcd_key:

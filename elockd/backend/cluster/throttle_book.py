@@ -300,6 +300,18 @@ class ThrottleBook:
             self.waiting += 1
         self._changed(key)
 
+    def wrote(self, key: bytes, tat: float, revision: int, writer: str) -> None:
+        """A TAT this node's own txn wrote at ``revision``, noted at once rather than
+        when the watch brings it: the node's next request on ``key`` and its count
+        for ``--max-throttles`` read its own writes, as one server does. Until the
+        mirror reaches ``revision`` an older event may replace it for a moment,
+        which is what the copy showed without the note; the event at ``revision``
+        then puts it back."""
+        found = self.tats.get(key)
+        if found is None or found.revision < revision:
+            self.tats[key] = Tat(tat, revision, writer)
+            self._changed(key)
+
     def delete(self, etcd_key: bytes) -> None:
         parsed = self.layout.parse_throttle(etcd_key)
         if parsed is None:
