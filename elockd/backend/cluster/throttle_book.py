@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 from elockd.backend.cluster.etcd.client import KeyValue
 from elockd.backend.cluster.layout import Layout, parse_tat_value, parse_waiter_value
+from elockd.backend.cluster.throttle_lapses import Lapses
 from elockd.engine.gcra import Rate, Verdict, admit_at, judge
 
 #: No state: judged as a TAT in the past.
@@ -268,6 +269,8 @@ class ThrottleBook:
         self.lines: dict[bytes, Line] = {}
         self._located: dict[bytes, tuple[bytes, int]] = {}  # waiter key -> (key, revision)
         self.waiting = 0
+        self._lapses = Lapses()
+        self._waiting_only = 0  # keys with a line and no TAT
         #: Called with a key whenever its TAT or line changes: wakes local waiters.
         self.listeners: dict[bytes, set[Callable[[], None]]] = {}
 
@@ -276,6 +279,8 @@ class ThrottleBook:
         self.lines.clear()
         self._located.clear()
         self.waiting = 0
+        self._lapses.clear()
+        self._waiting_only = 0
         for key in list(self.listeners):
             self._changed(key)
 
@@ -289,12 +294,14 @@ class ThrottleBook:
         key, waiter = parsed
         if waiter is None:
             tat, writer = parse_tat_value(kv.value)
-            self.tats[key] = Tat(tat, kv.mod_revision, writer)
+            self._set_tat(key, Tat(tat, kv.mod_revision, writer))
         elif kv.key not in self._located:
             node, units, capacity = parse_waiter_value(kv.value)
             line = self.lines.get(key)
             if line is None:
                 line = self.lines[key] = Line()
+                if key not in self.tats:
+                    self._waiting_only += 1
             line.add(LineEntry(kv.key, kv.create_revision, units, capacity, kv.lease, node))
             self._located[kv.key] = (key, kv.create_revision)
             self.waiting += 1
@@ -309,8 +316,14 @@ class ThrottleBook:
         then puts it back."""
         found = self.tats.get(key)
         if found is None or found.revision < revision:
-            self.tats[key] = Tat(tat, revision, writer)
+            self._set_tat(key, Tat(tat, revision, writer))
             self._changed(key)
+
+    def _set_tat(self, key: bytes, found: Tat) -> None:
+        if key not in self.tats and key in self.lines:
+            self._waiting_only -= 1
+        self.tats[key] = found
+        self._lapses.set(key, found.tat)
 
     def delete(self, etcd_key: bytes) -> None:
         parsed = self.layout.parse_throttle(etcd_key)
@@ -318,7 +331,10 @@ class ThrottleBook:
             return
         key, waiter = parsed
         if waiter is None:
-            self.tats.pop(key, None)
+            if self.tats.pop(key, None) is not None:
+                self._lapses.forget(key)
+                if key in self.lines:
+                    self._waiting_only += 1
         else:
             where = self._located.pop(etcd_key, None)
             if where is None:
@@ -327,6 +343,8 @@ class ThrottleBook:
             line.remove(where[1])
             if not line.revisions:
                 del self.lines[key]
+                if key not in self.tats:
+                    self._waiting_only -= 1
             self.waiting -= 1
         self._changed(key)
 
@@ -366,16 +384,25 @@ class ThrottleBook:
     def size(self) -> int:
         """Throttle keys with state (``q``'s ``throttles``): TATs not swept yet
         (lapsed ones go within a second or two) and keys with waiters only."""
-        return len(self.tats) + sum(1 for key in self.lines if key not in self.tats)
+        return len(self.tats) + self._waiting_only
 
     def has_waiter(self, etcd_key: bytes) -> bool:
         return etcd_key in self._located
 
     def live(self, wall: float) -> int:
-        """Keys with state at ``wall``: a TAT not yet lapsed, or waiters."""
-        lapsed = sum(1 for t in self.tats.values() if t.tat <= wall)
-        waiting_only = sum(1 for key in self.lines if key not in self.tats)
-        return len(self.tats) - lapsed + waiting_only
+        """Keys with state at ``wall``: a TAT not yet lapsed, or waiters. Costs the
+        TATs that lapsed since the last call, not the whole copy."""
+        self._advance(wall)
+        return len(self.tats) - len(self._lapses.lapsed) + self._waiting_only
+
+    def _advance(self, wall: float) -> None:
+        tats = self.tats
+
+        def tat_of(key: bytes) -> float | None:
+            found = tats.get(key)
+            return None if found is None else found.tat
+
+        self._lapses.advance(wall, tat_of)
 
     def has_state(self, key: bytes, wall: float) -> bool:
         found = self.tats.get(key)
@@ -383,11 +410,14 @@ class ThrottleBook:
 
     def lapsed(self, wall: float, node_id: str, orphaned_after: float) -> list[tuple[bytes, Tat]]:
         """TATs to delete at ``wall``: lapsed ones this node wrote, and any lapsed
-        for ``orphaned_after`` seconds (their writer may be gone)."""
+        for ``orphaned_after`` seconds (their writer may be gone). Reads only the
+        lapsed keys."""
+        self._advance(wall)
+        tats = self.tats
         return [
             (key, found)
-            for key, found in self.tats.items()
-            if found.tat <= wall and (found.writer == node_id or found.tat + orphaned_after <= wall)
+            for key in self._lapses.lapsed
+            if (found := tats[key]).writer == node_id or found.tat + orphaned_after <= wall
         ]
 
     def waiters_on(self, lease: int) -> list[LineEntry]:
