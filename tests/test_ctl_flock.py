@@ -41,6 +41,15 @@ def port() -> Iterator[int]:
     stop_server(process)
 
 
+def default_signal_actions() -> None:
+    """In the child before exec: the signals these tests send get their default
+    action. An ignored signal stays ignored across exec, so a suite started under
+    ``nohup`` (SIGHUP ignored) would hand that to both tools, and neither would
+    end on it, rightly."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @dataclass
 class Door:
     """One tool, one lock: a file for flock, a key for elockctl."""
@@ -72,6 +81,7 @@ class Door:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            preexec_fn=default_signal_actions,
         )
 
     @contextlib.contextmanager
