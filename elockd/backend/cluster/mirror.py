@@ -312,7 +312,7 @@ class QueueMirror:
             if not kv.key.startswith(self.layout.queues):
                 if self.throttles.owns(kv.key):
                     if event.type == "DELETE":
-                        self.throttles.delete(kv.key)
+                        self.throttles.delete(kv.key, kv.mod_revision)
                     else:
                         self.throttles.put(kv)
                     continue

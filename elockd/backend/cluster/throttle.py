@@ -36,6 +36,7 @@ import trio
 
 from elockd.backend.cluster.calls import EtcdCalls
 from elockd.backend.cluster.etcd.client import (
+    KeyValue,
     TxnResult,
     compare_create,
     compare_lease,
@@ -218,7 +219,8 @@ class ClusterThrottles:
         try:
             now = self.wall()
             verdict, after = judge_in_line(seen.tat, now, rate, seen.ahead)
-            queue = [put_op(entry, value, self.lease.current()), *self._reads(key)]
+            lease = self.lease.current()
+            queue = [put_op(entry, value, lease), *self._reads(key)]
             if verdict.admitted:
                 put = put_op(tat_key, tat_value(after, self.node_id))
                 result = await self.calls.txn(self._guard(key, seen), [put], queue)
@@ -227,6 +229,8 @@ class ClusterThrottles:
                     return self._answered(verdict)
             else:
                 result = await self.calls.txn([], queue)
+            joined = KeyValue(entry, value, result.revision, result.revision, lease)
+            self.book.joined(joined, self.mirror_revision())
             since = trio.current_time()
             state = ThrottleWait(session, key, rate, entry, result.revision, since + wait, since)
             seen = _read(result, 1, before=result.revision)
@@ -352,6 +356,7 @@ class ClusterThrottles:
         )
         if result.succeeded:
             self.book.wrote(state.key, after, result.revision, self.node_id)
+            self.book.left(state.etcd_key, result.revision, self.mirror_revision())
             return verdict, None
         fresh = _read(result, 0, before=state.revision)
         if fresh.head != state.etcd_key:
@@ -361,7 +366,11 @@ class ClusterThrottles:
 
     async def _leave(self, state: ThrottleWait) -> None:
         entry = state.etcd_key
-        await self.calls.txn([compare_create(entry, "==", state.revision)], [delete_op(entry)])
+        result = await self.calls.txn(
+            [compare_create(entry, "==", state.revision)], [delete_op(entry)]
+        )
+        if result.succeeded:
+            self.book.left(entry, result.revision, self.mirror_revision())
 
     # ------------------------------------------------------------- the sweep
 

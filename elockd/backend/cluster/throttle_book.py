@@ -271,6 +271,10 @@ class ThrottleBook:
         self.waiting = 0
         self._lapses = Lapses()
         self._waiting_only = 0  # keys with a line and no TAT
+        #: Waiter entries this node's own txn deleted before the watch showed the
+        #: delete (-> its revision): an older put of one the watch brings is not
+        #: let back in.
+        self._gone: dict[bytes, int] = {}
         #: Called with a key whenever its TAT or line changes: wakes local waiters.
         self.listeners: dict[bytes, set[Callable[[], None]]] = {}
 
@@ -281,6 +285,7 @@ class ThrottleBook:
         self.waiting = 0
         self._lapses.clear()
         self._waiting_only = 0
+        self._gone.clear()
         for key in list(self.listeners):
             self._changed(key)
 
@@ -293,9 +298,12 @@ class ThrottleBook:
             return
         key, waiter = parsed
         if waiter is None:
+            found = self.tats.get(key)
+            if found is not None and found.revision > kv.mod_revision:
+                return  # older than what this node's own swap noted
             tat, writer = parse_tat_value(kv.value)
             self._set_tat(key, Tat(tat, kv.mod_revision, writer))
-        elif kv.key not in self._located:
+        elif kv.key not in self._located and kv.key not in self._gone:
             node, units, capacity = parse_waiter_value(kv.value)
             line = self.lines.get(key)
             if line is None:
@@ -307,17 +315,31 @@ class ThrottleBook:
             self.waiting += 1
         self._changed(key)
 
+    # A node's own writes, noted when etcd answers rather than when the watch brings
+    # them: the node's next request on the key, and its counts for --max-throttles
+    # and --max-waiters, read its own writes, as one server does. Every change the
+    # watch brings is older or newer by its revision, and an older one never undoes
+    # a note.
+
     def wrote(self, key: bytes, tat: float, revision: int, writer: str) -> None:
-        """A TAT this node's own txn wrote at ``revision``, noted at once rather than
-        when the watch brings it: the node's next request on ``key`` and its count
-        for ``--max-throttles`` read its own writes, as one server does. Until the
-        mirror reaches ``revision`` an older event may replace it for a moment,
-        which is what the copy showed without the note; the event at ``revision``
-        then puts it back."""
+        """The TAT this node's own txn wrote at ``revision``."""
         found = self.tats.get(key)
         if found is None or found.revision < revision:
             self._set_tat(key, Tat(tat, revision, writer))
             self._changed(key)
+
+    def joined(self, kv: KeyValue, seen_up_to: int) -> None:
+        """The line entry this node's own txn put; ``seen_up_to``, the revision the
+        watch has brought: one it has brought (and maybe its delete) is left alone."""
+        if kv.create_revision > seen_up_to:
+            self.put(kv)
+
+    def left(self, etcd_key: bytes, revision: int, seen_up_to: int) -> None:
+        """The line entry this node's own txn deleted at ``revision``."""
+        if revision <= seen_up_to:
+            return  # the watch brought the delete already
+        self._gone[etcd_key] = revision
+        self._drop_waiter(etcd_key)
 
     def _set_tat(self, key: bytes, found: Tat) -> None:
         if key not in self.tats and key in self.lines:
@@ -325,27 +347,37 @@ class ThrottleBook:
         self.tats[key] = found
         self._lapses.set(key, found.tat)
 
-    def delete(self, etcd_key: bytes) -> None:
+    def delete(self, etcd_key: bytes, revision: int = 1 << 62) -> None:
+        """A delete the watch brought at ``revision`` (a reload's has none)."""
         parsed = self.layout.parse_throttle(etcd_key)
         if parsed is None:
             return
         key, waiter = parsed
         if waiter is None:
-            if self.tats.pop(key, None) is not None:
-                self._lapses.forget(key)
-                if key in self.lines:
-                    self._waiting_only += 1
+            found = self.tats.get(key)
+            if found is None or found.revision > revision:
+                return  # gone already, or this node's own swap noted a newer TAT
+            del self.tats[key]
+            self._lapses.forget(key)
+            if key in self.lines:
+                self._waiting_only += 1
+            self._changed(key)
         else:
-            where = self._located.pop(etcd_key, None)
-            if where is None:
-                return
-            line = self.lines[key]
-            line.remove(where[1])
-            if not line.revisions:
-                del self.lines[key]
-                if key not in self.tats:
-                    self._waiting_only -= 1
-            self.waiting -= 1
+            self._gone.pop(etcd_key, None)
+            self._drop_waiter(etcd_key)
+
+    def _drop_waiter(self, etcd_key: bytes) -> None:
+        where = self._located.pop(etcd_key, None)
+        if where is None:
+            return
+        key = where[0]
+        line = self.lines[key]
+        line.remove(where[1])
+        if not line.revisions:
+            del self.lines[key]
+            if key not in self.tats:
+                self._waiting_only -= 1
+        self.waiting -= 1
         self._changed(key)
 
     def _changed(self, key: bytes) -> None:
