@@ -347,6 +347,23 @@ class EtcdAndMirror(RuleBasedStateMachine):
         )
 
     @invariant()
+    def unseen_waiters_are_those_the_mirror_has_not_reached(self) -> None:
+        """What ``--max-waiters`` and ``q`` add to the copy (a node reads its own
+        writes): each waiter whose entry the mirror does not show yet, in each of
+        its queues, and none once it does."""
+        unseen = [
+            waiter
+            for waiter in self.waiters.values()
+            if waiter.state == WAITING and waiter.revision > self.mirror.revision
+        ]
+        for kind in (EXCLUSIVE, SHARED):
+            for key in KEYS:
+                queue_id = (kind, key)
+                expected = sum(1 for waiter in unseen if queue_id in waiter.queues)
+                assert self.mirror.unseen_waiting(queue_id) == expected
+        assert self.mirror.unseen_waiting_entries() == sum(len(w.queues) for w in unseen)
+
+    @invariant()
     def told_at_most_once(self) -> None:
         assert all(count == 1 for count in self.told.values())
 

@@ -4,6 +4,7 @@ ordered names ``ls`` reads (docs/cluster.md, "Operators on a cluster")."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from elockd.backend.cluster.etcd.client import Event, KeyValue
 from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, entry_value, parse_entry_value
 from elockd.backend.cluster.mirror import Freed, Granted, QueueMirror
 from tests.support.cluster_nodes import Nodes
+from tests.support.line_client import LineClient
 from tests.support.polling import eventually, until_waiting
 from tests.test_cluster_mirror import LAYOUT, NODE_LEASE, delete
 
@@ -189,9 +191,21 @@ async def test_two_nodes_watch_list_and_kill_across_each_other(
     ada_token = int((await ada.request(b"token j/y"))[4:])
     await next_bee.send(b"lock j/x 30\n")
     await until_waiting(bee, b"j/x")
+    listing = [
+        [b"j/s", b"exclusive=-", b"shared=1", b"waiting=0"],
+        [b"j/x", b"exclusive=bee", b"shared=0", b"waiting=1"],
+        [b"j/y", b"exclusive=ada", b"shared=0", b"waiting=0"],
+    ]
+
+    async def listed_on(client: LineClient) -> list[bytes] | None:
+        # ls reads the node's copy: what was done through the other node shows once
+        # its watch brings it, a few ms later.
+        listed = (await client.listing(b"ls j/")).split(b"\r\n")
+        return listed if [line.split(b" ")[:4] for line in listed[:-2]] == listing else None
+
     for node in (a, b):
         client = await node.connect()
-        listed = (await client.listing(b"ls j/")).split(b"\r\n")
+        listed = await eventually(functools.partial(listed_on, client), what="ls j/ on each node")
         assert [line.split(b" ")[:5] for line in listed[:-2]] == [
             [b"j/s", b"exclusive=-", b"shared=1", b"waiting=0", listed[0].split(b" ")[4]],
             [b"j/x", b"exclusive=bee", b"shared=0", b"waiting=1", listed[1].split(b" ")[4]],

@@ -46,6 +46,13 @@ def node_lockd_parse(reply: bytes) -> dict[str, str]:
     return pairs
 
 
+async def q_showing(client: LineClient, **counts: str) -> dict[str, str] | None:
+    """A check for :func:`eventually`: ``q``'s counters once they show ``counts`` (a
+    cluster node counts locks from its copy of etcd's queues, a few ms behind)."""
+    values = node_lockd_parse(await silence_read(client, b"q"))
+    return values if all(values[name] == count for name, count in counts.items()) else None
+
+
 async def replies_then_pong(client: LineClient, request: bytes) -> bytes:
     """The bytes a request gets, made exact by a ``ping`` sent right after it: a
     request that gets no reply at all is followed directly by ``200 PONG``."""
@@ -111,12 +118,7 @@ async def test_q_lists_exactly_glockds_counters_sorted(
     for _ in range(3):
         await client.line()
 
-    async def holding() -> dict[str, str] | None:
-        # A cluster node counts locks from its copy of etcd's queues, a few ms behind.
-        counts = node_lockd_parse(await silence_read(client, b"q"))
-        return counts if counts["locks"] == "1" else None
-
-    second = await eventually(holding, what="q counting the lock")
+    second = await eventually(lambda: q_showing(client, locks="1"), what="q counting the lock")
     assert list(second) == sorted([*glockd, "command_iam", "command_me"])
     assert second["locks"] == "1"
 
@@ -134,7 +136,10 @@ async def test_a_node_lockd_reader_sees_exactly_the_holds(
     assert dump == {f"job-{i}": f"worker-{i}" for i in range(3)}  # no bogus "": "ND"
     names = node_lockd_parse(await silence_read(reader, b"who"))
     assert names == {c.peer.decode(): f"worker-{i}" for i, c in enumerate(holders)}
-    stats = node_lockd_parse(await silence_read(reader, b"q"))
+    # d and who read etcd and this node's connections; q counts from the copy.
+    stats = await eventually(
+        lambda: q_showing(reader, locks="3", shared_locks="1"), what="q counting the holds"
+    )
     assert "" not in stats and stats["locks"] == "3" and stats["shared_locks"] == "1"
 
 

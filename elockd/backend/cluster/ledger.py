@@ -168,13 +168,15 @@ class Ledger(Bookkeeping):
         self.waits: dict[str, ClusterWait | ThrottleWait] = {}
 
     def sizes(self) -> Sizes:
+        # From the node's copy, which trails etcd; ``waiting`` also counts this
+        # node's own waits that etcd has answered and the copy does not show yet.
         mirror = self.mirror
         return Sizes(
             len(self.sessions),
             mirror.exclusive_locks(),
             mirror.shared_locks(),
             mirror.shared_holders(),
-            mirror.waiting() + mirror.throttles.waiting,
+            mirror.waiting() + mirror.unseen_waiting_entries() + mirror.throttles.waiting,
             mirror.throttles.size(),
         )
 

@@ -232,6 +232,10 @@ class QueueMirror:
         self.by_tag: dict[int, dict[int, bytes | list[bytes]]] = {}
         self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
         self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
+        # The parked waiters by queue, and their entries in all: what the node's own
+        # checks add to the copy's counts (:meth:`unseen_waiting`), in O(1).
+        self._parked_on: dict[QueueId, int] = {}
+        self._parked_entries = 0
         #: The revision etcd was at when the current watch stream was created: the
         #: events before it are a replay of history (a reconnect), and no waiter is
         #: granted until the mirror has caught up with it (see :meth:`catch_up_to`).
@@ -580,7 +584,7 @@ class QueueMirror:
         for queue_id in waiter.queues:
             self._waiters.setdefault(queue_id, set()).add(waiter)
         if waiter.revision > self.revision:
-            self._parked.add(waiter)
+            self._park(waiter)
         else:
             self._judge(waiter)
 
@@ -588,7 +592,7 @@ class QueueMirror:
         """Forget a waiter (granted, lost, timed out or cancelled)."""
         if waiter.state == WAITING:
             waiter.state = CANCELLED
-        self._parked.discard(waiter)
+        self._unpark_one(waiter)
         self._deferred.discard(waiter)
         for queue_id in waiter.queues:
             waiters = self._waiters.get(queue_id)
@@ -601,8 +605,45 @@ class QueueMirror:
         if not self._parked:
             return
         for waiter in [w for w in self._parked if w.revision <= self.revision]:
-            self._parked.discard(waiter)
+            self._unpark_one(waiter)
             self._judge(waiter)
+
+    def _park(self, waiter: ClusterWaiter) -> None:
+        self._parked.add(waiter)
+        for queue_id in waiter.queues:
+            self._parked_on[queue_id] = self._parked_on.get(queue_id, 0) + 1
+        self._parked_entries += len(waiter.queues)
+
+    def _unpark_one(self, waiter: ClusterWaiter) -> None:
+        if waiter not in self._parked:
+            return
+        self._parked.discard(waiter)
+        for queue_id in waiter.queues:
+            left = self._parked_on[queue_id] - 1
+            if left:
+                self._parked_on[queue_id] = left
+            else:
+                del self._parked_on[queue_id]
+        self._parked_entries -= len(waiter.queues)
+
+    def unseen_waiting(self, queue_id: QueueId) -> int:
+        """This node's waiting requests in ``queue_id`` whose enqueue txn etcd has
+        answered but whose entry the mirror has not reached yet (it trails etcd by
+        a few milliseconds). A check against the copy adds them, so that the node
+        reads its own writes as one server does: ``--max-waiters`` counts a request
+        queued here a moment ago (etcd's ``info`` already shows it), and a request
+        is counted once, here until the mirror shows its entry, then there.
+
+        Each such request waits: its txn found it not holding. An ``mlock`` counts
+        in each of its queues, also one it heads, for those few milliseconds (the
+        copy, once it shows the entry, counts it only where it is not first): at
+        worst a refusal a moment early, never a queue longer than the flag."""
+        return self._parked_on.get(queue_id, 0)
+
+    def unseen_waiting_entries(self) -> int:
+        """:meth:`unseen_waiting` over every queue: what ``q``'s ``waiting`` adds to
+        the copy's :meth:`waiting`."""
+        return self._parked_entries
 
     def _judge(self, waiter: ClusterWaiter) -> None:
         if waiter.state != WAITING or waiter in self._parked:

@@ -154,11 +154,15 @@ class LockRecipe:
 
     def _waiting(self, kind: bytes, key: bytes) -> int:
         """Requests waiting for ``key`` now (``--max-waiters`` counts these, cluster
-        wide): every entry of its queue but those that hold."""
-        queue = self.mirror.queues.get((kind, key))
+        wide): every entry of its queue but those that hold, and this node's own
+        waiting requests that etcd has answered and the mirror does not show yet
+        (a node reads its own writes; other nodes' come with the watch)."""
+        queue_id = (kind, key)
+        unseen = self.mirror.unseen_waiting(queue_id)
+        queue = self.mirror.queues.get(queue_id)
         if queue is None:
-            return 0
-        return queue.waiting() if kind == SHARED else len(queue.revisions) - 1
+            return unseen
+        return unseen + (queue.waiting() if kind == SHARED else len(queue.revisions) - 1)
 
     async def _request(
         self,
