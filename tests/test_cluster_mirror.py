@@ -60,6 +60,26 @@ def test_entries_on_names_a_sessions_entries_bound_to_one_lease() -> None:
     assert mirror.entries_on(9, NODE_LEASE) == []
 
 
+def test_tags_on_a_lease_follow_its_entries() -> None:
+    """The sessions with entries on a lease (the node's sweep reads these, not every
+    session of the cluster): an entry moved to another lease moves its tag there
+    once its last entry on the old one has gone."""
+    mirror = QueueMirror(LAYOUT)
+    mirror.apply([put(EXCLUSIVE, b"a", 5, 10, 1), put(SHARED, b"b", 5, 11, 0)])
+    mirror.apply([put(EXCLUSIVE, b"c", 6, 12, 1)])
+    assert sorted(mirror.tags_on(NODE_LEASE)) == [5, 6] and mirror.tags_on(88) == []
+    moved = KeyValue(LAYOUT.entry(EXCLUSIVE, b"a", 5), entry_value(1, None, b"o"), 10, 13, 88)
+    mirror.apply([Event("PUT", moved)])
+    assert sorted(mirror.tags_on(NODE_LEASE)) == [5, 6] and mirror.tags_on(88) == [5]
+    moved = KeyValue(LAYOUT.entry(SHARED, b"b", 5), entry_value(0, None, b"o"), 11, 14, 88)
+    mirror.apply([Event("PUT", moved)])
+    assert mirror.tags_on(NODE_LEASE) == [6] and mirror.tags_on(88) == [5]
+    mirror.apply([delete(EXCLUSIVE, b"c", 6, 15), delete(EXCLUSIVE, b"a", 5, 15)])
+    assert mirror.tags_on(NODE_LEASE) == [] and mirror.tags_on(88) == [5]
+    mirror.load(20, [])
+    assert mirror.tags_on(88) == []
+
+
 def test_exclusive_handoff_is_fifo() -> None:
     mirror = QueueMirror(LAYOUT)
     mirror.apply([put(EXCLUSIVE, b"k", 1, 10, 1)])
@@ -362,6 +382,17 @@ class EtcdAndMirror(RuleBasedStateMachine):
                 expected = sum(1 for waiter in unseen if queue_id in waiter.queues)
                 assert self.mirror.unseen_waiting(queue_id) == expected
         assert self.mirror.unseen_waiting_entries() == sum(len(w.queues) for w in unseen)
+
+    @invariant()
+    def tags_on_a_lease_are_those_of_its_entries(self) -> None:
+        """What the node's sweep reads instead of every session: each lease's tags
+        are exactly those of the entries bound to it."""
+        expected: dict[int, set[int]] = {}
+        for queue in self.mirror.queues.values():
+            for entry in queue.entries.values():
+                expected.setdefault(entry.lease, set()).add(entry.tag)
+        for lease in {NODE_LEASE, 88, *expected}:
+            assert sorted(self.mirror.tags_on(lease)) == sorted(expected.get(lease, ()))
 
     @invariant()
     def told_at_most_once(self) -> None:

@@ -9,6 +9,9 @@ sweep they looked like strays of that session, and it deleted them (a fresh clon
 run once lost some of 150 taken-over holds that way). The nodes of the cluster tests
 are separate processes, where that window is a matter of luck; here etcd is a script
 and the sweep runs inside the window every time.
+
+On the same scripted etcd: the sweep looks only at the sessions on the node's own
+lease, and a round looks at a budget of entries, the next going on from there.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import base64
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import trio
 
+from elockd.backend.cluster import node as node_module
 from elockd.backend.cluster.etcd.client import EtcdClient, Event, KeyValue, TxnResult
 from elockd.backend.cluster.layout import EXCLUSIVE, SessionRecord, encode_record, entry_value
 from elockd.backend.cluster.ledger import ClusterSession
@@ -50,20 +55,17 @@ class ScriptedEtcd:
     def leave_old_session(self) -> None:
         """What the old node left: the session's record, and one held entry per key,
         all on the old node's lease."""
-        layout, mirror = self.space.layout, self.space.mirror
-        events = []
-        for key in KEYS:
-            self.revision += 1
-            kv = KeyValue(
-                layout.entry(EXCLUSIVE, key, TAG),
-                entry_value(1, None, b"worker"),
-                self.revision,
-                self.revision,
-                OLD_LEASE,
-            )
-            self.entries[kv.key] = kv
-            events.append(Event("PUT", kv))
-        mirror.apply(events)
+        self.space.mirror.apply([self.entry(key, TAG, OLD_LEASE) for key in KEYS])
+
+    def entry(self, key: bytes, tag: int, lease: int) -> Event:
+        """A held entry of session ``tag`` on ``lease``, in etcd now; the watch event
+        that shows it (for :meth:`show`)."""
+        self.revision += 1
+        etcd_key = self.space.layout.entry(EXCLUSIVE, key, tag)
+        value = entry_value(1, None, b"worker")
+        kv = KeyValue(etcd_key, value, self.revision, self.revision, lease)
+        self.entries[kv.key] = kv
+        return Event("PUT", kv)
 
     async def get(
         self, key: bytes, range_end: bytes | None = None, *, sort_by_create: bool = False
@@ -116,13 +118,19 @@ class ScriptedEtcd:
         return TxnResult(True, self.revision, [{} for _ in success])
 
 
-async def test_the_sweep_between_two_move_txns_leaves_the_takeover_whole() -> None:
+def scripted_node() -> tuple[EtcdClient, ClusterLockSpace, ScriptedEtcd]:
+    """A node on :data:`NEW_LEASE` whose etcd is a :class:`ScriptedEtcd`."""
     client = EtcdClient(["http://127.0.0.1:9"])  # never called: the script answers
     space = ClusterLockSpace(client, b"/t/", session_ttl=5)
     etcd = ScriptedEtcd(space)
     space.calls.get = etcd.get  # type: ignore[method-assign]
     space.calls.txn = etcd.txn  # type: ignore[method-assign]
     space.lease.renewed(NEW_LEASE, trio.current_time(), 5)
+    return client, space, etcd
+
+
+async def test_the_sweep_between_two_move_txns_leaves_the_takeover_whole() -> None:
+    client, space, etcd = scripted_node()
     etcd.leave_old_session()
 
     current = space.ledger.open_session("c" * 32, b"peer")
@@ -136,4 +144,46 @@ async def test_the_sweep_between_two_move_txns_leaves_the_takeover_whole() -> No
     # Once the holds are recorded the sweep has nothing of the session to free.
     await space.node._sweep()
     assert etcd.deleted == []
+    await client.aclose()
+
+
+async def test_the_sweep_reads_only_the_sessions_on_the_nodes_lease() -> None:
+    """Every node sees every session of the cluster; its sweep looks only at those
+    with entries on its own lease (it walked them all: about a second of the node's
+    thread a keepalive round at a million entries). A stray on its lease is still freed."""
+    client, space, etcd = scripted_node()
+    others = [etcd.entry(b"other-%d" % tag, tag, OLD_LEASE) for tag in range(1, 1001)]
+    stray = etcd.entry(b"left-behind", 5000, NEW_LEASE)
+    space.mirror.apply([*others, stray])
+    looked: list[int] = []
+    entries_on = space.mirror.entries_on
+
+    def counted(tag: int, lease: int) -> list[tuple[bytes, int]]:
+        looked.append(tag)
+        return entries_on(tag, lease)
+
+    space.mirror.entries_on = counted  # type: ignore[method-assign]
+    await space.node._sweep()
+    assert looked == [5000]
+    assert etcd.deleted == [stray.kv.key]
+    await client.aclose()
+
+
+async def test_a_round_of_the_sweep_looks_at_a_budget_of_entries_then_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node whose own lease holds more entries than a round's budget is swept over
+    several rounds, each where the last stopped, until every stray is freed."""
+    monkeypatch.setattr(node_module, "SWEEP_BUDGET", 10)
+    client, space, etcd = scripted_node()
+    # 30 strays of sessions this node no longer has.
+    strays = [etcd.entry(b"stray-%d" % tag, tag, NEW_LEASE) for tag in range(1, 31)]
+    space.mirror.apply(strays)
+    freed_each_round = []
+    while etcd.entries:
+        before = len(etcd.deleted)
+        await space.node._sweep()
+        freed_each_round.append(len(etcd.deleted) - before)
+    assert freed_each_round == [5, 5, 5, 5, 5, 5]  # 2 of the budget each: a tag, an entry
+    assert sorted(etcd.deleted) == sorted(e.kv.key for e in strays)
     await client.aclose()

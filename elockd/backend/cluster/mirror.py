@@ -230,6 +230,10 @@ class QueueMirror:
         # create revision): its etcd key, or the keys of an ``mlock``'s entries. So
         # finding an entry's siblings costs O(its request), not O(the session).
         self.by_tag: dict[int, dict[int, bytes | list[bytes]]] = {}
+        #: lease -> {tag: its entries bound to that lease}: the sessions with entries
+        #: on a node's lease, found without a walk of every session in the cluster
+        #: (:meth:`tags_on`, the node's sweep).
+        self._lease_tags: dict[int, dict[int, int]] = {}
         self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
         self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
         # The parked waiters by queue, and their entries in all: what the node's own
@@ -278,6 +282,7 @@ class QueueMirror:
         self.queues.clear()
         self._located.clear()
         self.by_tag.clear()
+        self._lease_tags.clear()
         self._deferred.clear()  # judged again below, on the fresh state
         self._reset_counts()
         self.throttles.clear()
@@ -496,6 +501,9 @@ class QueueMirror:
             else:
                 self.exclusive_queues += 1
         old = queue.add(entry)
+        if old is not None:
+            self._unbind(old)
+        self._bind(entry)
         if shared:
             self.shared_holding += entry.holds_shared - (old is not None and old.holds_shared)
             self.shared_entries += old is None
@@ -521,6 +529,7 @@ class QueueMirror:
         shared = queue_id[0] == SHARED
         entry = queue.remove(revision, shared=shared)
         if entry is not None:
+            self._unbind(entry)
             if entry.holding:
                 queue.holding -= 1
                 self._gone.append((queue_id, entry, queue.holding))
@@ -539,6 +548,27 @@ class QueueMirror:
                 self.shared_queues -= 1
             else:
                 self.exclusive_queues -= 1
+
+    def _bind(self, entry: Entry) -> None:
+        tags = self._lease_tags.get(entry.lease)
+        if tags is None:
+            tags = self._lease_tags[entry.lease] = {}
+        tags[entry.tag] = tags.get(entry.tag, 0) + 1
+
+    def _unbind(self, entry: Entry) -> None:
+        tags = self._lease_tags[entry.lease]
+        left = tags[entry.tag] - 1
+        if left:
+            tags[entry.tag] = left
+        else:
+            del tags[entry.tag]
+            if not tags:
+                del self._lease_tags[entry.lease]
+
+    def tags_on(self, lease: int) -> list[int]:
+        """The tags of the sessions with an entry bound to ``lease``: O(those
+        sessions), not O(every session of the cluster)."""
+        return list(self._lease_tags.get(lease, ()))
 
     def _unindex(self, etcd_key: bytes, revision: int) -> None:
         name = self.layout.parse_entry(etcd_key)

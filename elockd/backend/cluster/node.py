@@ -54,6 +54,10 @@ SHUTDOWN_GRACE = 2.0
 #: Seconds at least between two rounds of the node's keepalive and sweep, when
 #: etcd did not answer the last (see :meth:`ClusterNode._keep_alive`).
 KEEPALIVE_RETRY = 0.5
+#: Entries one round of the stray sweep looks at (about 25 ms of the node's thread):
+#: a node whose own sessions hold more is swept over several rounds, so the round,
+#: which runs between two keepalives, never holds up its clients or its lease.
+SWEEP_BUDGET = 20_000
 
 
 class ClusterNode:
@@ -93,6 +97,9 @@ class ClusterNode:
         #: is loaded as of it and the watch replays from just after it, so they
         #: miss nothing and get nothing twice (docs/cluster.md).
         self.replay_from = 0
+        #: Tags of sessions on the node's lease that the last sweep round had no
+        #: budget left for (the next round goes on with them), last first.
+        self._sweep_tags: list[int] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Join the cluster, then keep leases alive and the mirror current until
@@ -305,7 +312,12 @@ class ClusterNode:
         owns: left by a free that etcd refused, a request cancelled while its txn
         was in flight, an answer lost after a commit, or a session this node no
         longer has. Judged on the mirror, and every delete is guarded by the entry's
-        revision (and by the session record, for a session the node still has)."""
+        revision (and by the session record, for a session the node still has).
+
+        Only the sessions with entries on this node's lease are looked at (the mirror
+        knows them by lease, :meth:`~.mirror.QueueMirror.tags_on`), at most
+        :data:`SWEEP_BUDGET` entries a round; a round goes on where the last one
+        stopped."""
         lease = self.lease.id
         if not lease:
             return
@@ -314,11 +326,17 @@ class ClusterNode:
         for tag, until in list(moved.items()):
             if until < now:
                 del moved[tag]
-        for tag in list(self.mirror.by_tag):
+        tags = self._sweep_tags
+        if not tags:
+            tags.extend(reversed(self.mirror.tags_on(lease)))
+        budget = SWEEP_BUDGET
+        while tags and budget > 0:
+            tag = tags.pop()
             session = self.ledger.by_tag.get(tag)
             if (session is not None and session.lost) or tag in moved or tag in adopting:
                 continue
             entries = self.mirror.entries_on(tag, lease)
+            budget -= len(entries) + 1
             if session is None:
                 strays = entries
             else:
@@ -332,4 +350,5 @@ class ClusterNode:
                 try:
                     await self.records.delete_entries(session, strays)
                 except (EtcdUnavailable, EtcdError, BackendUnavailable):
-                    return  # next round
+                    tags.append(tag)  # first in the next round
+                    return
