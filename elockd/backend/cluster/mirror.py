@@ -236,10 +236,9 @@ class QueueMirror:
         self._lease_tags: dict[int, dict[int, int]] = {}
         self._waiters: dict[QueueId, set[ClusterWaiter]] = {}
         self._parked: set[ClusterWaiter] = set()  # revision known, mirror not there yet
-        # The parked waiters by queue, and their entries in all: what the node's own
-        # checks add to the copy's counts (:meth:`unseen_waiting`), in O(1).
+        # The parked waiters by queue: what the node's own checks add to the copy's
+        # counts (:meth:`unseen_waiting`), in O(1).
         self._parked_on: dict[QueueId, int] = {}
-        self._parked_entries = 0
         #: The revision etcd was at when the current watch stream was created: the
         #: events before it are a replay of history (a reconnect), and no waiter is
         #: granted until the mirror has caught up with it (see :meth:`catch_up_to`).
@@ -336,7 +335,6 @@ class QueueMirror:
                 where = self._located.pop(kv.key, None)
                 if where is not None:
                     queue_id, revision = where
-                    self._unindex(kv.key, revision)
                     self._remove(queue_id, revision)
                     touched.add(queue_id)
                     self._changed.add(queue_id)  # its next entry may hold now
@@ -530,6 +528,7 @@ class QueueMirror:
         entry = queue.remove(revision, shared=shared)
         if entry is not None:
             self._unbind(entry)
+            self._unindex(entry)
             if entry.holding:
                 queue.holding -= 1
                 self._gone.append((queue_id, entry, queue.holding))
@@ -570,11 +569,9 @@ class QueueMirror:
         sessions), not O(every session of the cluster)."""
         return list(self._lease_tags.get(lease, ()))
 
-    def _unindex(self, etcd_key: bytes, revision: int) -> None:
-        name = self.layout.parse_entry(etcd_key)
-        if name is None:
-            return
-        requests = self.by_tag.get(name.tag)
+    def _unindex(self, entry: Entry) -> None:
+        etcd_key, revision = entry.etcd_key, entry.revision
+        requests = self.by_tag.get(entry.tag)
         if requests is None:
             return
         request = requests.get(revision)
@@ -586,7 +583,7 @@ class QueueMirror:
         elif request == etcd_key:
             del requests[revision]
         if not requests:
-            del self.by_tag[name.tag]
+            del self.by_tag[entry.tag]
 
     def entry(self, etcd_key: bytes) -> Entry | None:
         """The entry at ``etcd_key``, as far as the mirror has got."""
@@ -642,7 +639,6 @@ class QueueMirror:
         self._parked.add(waiter)
         for queue_id in waiter.queues:
             self._parked_on[queue_id] = self._parked_on.get(queue_id, 0) + 1
-        self._parked_entries += len(waiter.queues)
 
     def _unpark_one(self, waiter: ClusterWaiter) -> None:
         if waiter not in self._parked:
@@ -654,7 +650,6 @@ class QueueMirror:
                 self._parked_on[queue_id] = left
             else:
                 del self._parked_on[queue_id]
-        self._parked_entries -= len(waiter.queues)
 
     def unseen_waiting(self, queue_id: QueueId) -> int:
         """This node's waiting requests in ``queue_id`` whose enqueue txn etcd has
@@ -673,7 +668,7 @@ class QueueMirror:
     def unseen_waiting_entries(self) -> int:
         """:meth:`unseen_waiting` over every queue: what ``q``'s ``waiting`` adds to
         the copy's :meth:`waiting`."""
-        return self._parked_entries
+        return sum(self._parked_on.values())
 
     def _judge(self, waiter: ClusterWaiter) -> None:
         if waiter.state != WAITING or waiter in self._parked:
