@@ -298,12 +298,10 @@ class ThrottleBook:
             return
         key, waiter = parsed
         if waiter is None:
-            found = self.tats.get(key)
-            if found is not None and found.revision > kv.mod_revision:
-                return  # older than what this node's own swap noted
             tat, writer = parse_tat_value(kv.value)
-            self._set_tat(key, Tat(tat, kv.mod_revision, writer))
-        elif kv.key not in self._located and kv.key not in self._gone:
+            self.wrote(key, tat, kv.mod_revision, writer)
+            return
+        if kv.key not in self._located and kv.key not in self._gone:
             node, units, capacity = parse_waiter_value(kv.value)
             line = self.lines.get(key)
             if line is None:
@@ -322,11 +320,16 @@ class ThrottleBook:
     # a note.
 
     def wrote(self, key: bytes, tat: float, revision: int, writer: str) -> None:
-        """The TAT this node's own txn wrote at ``revision``."""
+        """The TAT written at ``revision``: by this node's own txn, or as the watch
+        brings it (:meth:`put`). One older than the copy's is left out."""
         found = self.tats.get(key)
-        if found is None or found.revision < revision:
-            self._set_tat(key, Tat(tat, revision, writer))
-            self._changed(key)
+        if found is not None and found.revision > revision:
+            return
+        if found is None and key in self.lines:
+            self._waiting_only -= 1
+        self.tats[key] = Tat(tat, revision, writer)
+        self._lapses.set(key, tat)
+        self._changed(key)
 
     def joined(self, kv: KeyValue, seen_up_to: int) -> None:
         """The line entry this node's own txn put; ``seen_up_to``, the revision the
@@ -340,12 +343,6 @@ class ThrottleBook:
             return  # the watch brought the delete already
         self._gone[etcd_key] = revision
         self._drop_waiter(etcd_key)
-
-    def _set_tat(self, key: bytes, found: Tat) -> None:
-        if key not in self.tats and key in self.lines:
-            self._waiting_only -= 1
-        self.tats[key] = found
-        self._lapses.set(key, found.tat)
 
     def delete(self, etcd_key: bytes, revision: int = 1 << 62) -> None:
         """A delete the watch brought at ``revision`` (a reload's has none)."""
