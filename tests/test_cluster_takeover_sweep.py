@@ -78,13 +78,9 @@ class ScriptedEtcd:
         return self.revision, sorted(found, key=lambda kv: kv.create_revision), 0
 
     async def txn(
-        self,
-        compare: Sequence[dict[str, Any]],
-        success: Sequence[dict[str, Any]],
-        failure: Sequence[dict[str, Any]] = (),
-        *,
-        ranks: int = 0,
+        self, _: object, success: Sequence[dict[str, Any]], *__: object, **___: object
     ) -> TxnResult:
+        """Every txn commits (its compares and failure ops are not looked at)."""
         self.revision += 1
         events: list[Event] = []
         moved = False
@@ -124,7 +120,7 @@ def scripted_node() -> tuple[EtcdClient, ClusterLockSpace, ScriptedEtcd]:
     space = ClusterLockSpace(client, b"/t/", session_ttl=5)
     etcd = ScriptedEtcd(space)
     space.calls.get = etcd.get  # type: ignore[method-assign]
-    space.calls.txn = etcd.txn  # type: ignore[method-assign]
+    space.calls.txn = etcd.txn  # type: ignore[method-assign, assignment]
     space.lease.renewed(NEW_LEASE, trio.current_time(), 5)
     return client, space, etcd
 
