@@ -194,6 +194,7 @@ class Tat:
     tat: float
     revision: int
     writer: str
+    since: float = NO_TAT  # the writer's wall clock when it wrote (the head's since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +246,11 @@ class Line:
                 [(entries[r].units, entries[r].capacity) for r in self.revisions]
             )
         return waiters
+
+    def heads(self, count: int) -> tuple[tuple[bytes, int], ...]:
+        """The first ``count`` entries' (etcd key, create revision)."""
+        entries = self.entries
+        return tuple((entries[r].etcd_key, r) for r in self.revisions[:count])
 
     def ahead(self, revision: int, *, skip: int = 0) -> Collection[Ahead]:
         """The waiters older than ``revision`` (but ``skip``), oldest first."""
@@ -298,8 +304,8 @@ class ThrottleBook:
             return
         key, waiter = parsed
         if waiter is None:
-            tat, writer = parse_tat_value(kv.value)
-            self.wrote(key, tat, kv.mod_revision, writer)
+            tat, writer, since = parse_tat_value(kv.value)
+            self.wrote(key, tat, kv.mod_revision, writer, since)
             return
         if kv.key not in self._located and kv.key not in self._gone:
             node, units, capacity = parse_waiter_value(kv.value)
@@ -319,15 +325,18 @@ class ThrottleBook:
     # watch brings is older or newer by its revision, and an older one never undoes
     # a note.
 
-    def wrote(self, key: bytes, tat: float, revision: int, writer: str) -> None:
-        """The TAT written at ``revision``: by this node's own txn, or as the watch
-        brings it (:meth:`put`). One older than the copy's is left out."""
+    def wrote(
+        self, key: bytes, tat: float, revision: int, writer: str, since: float = NO_TAT
+    ) -> None:
+        """The TAT written at ``revision`` (at ``since`` by its writer's clock): by
+        this node's own txn, or as the watch brings it (:meth:`put`). One older than
+        the copy's is left out."""
         found = self.tats.get(key)
         if found is not None and found.revision > revision:
             return
         if found is None and key in self.lines:
             self._waiting_only -= 1
-        self.tats[key] = Tat(tat, revision, writer)
+        self.tats[key] = Tat(tat, revision, writer, since)
         self._lapses.set(key, tat)
         self._changed(key)
 
@@ -401,6 +410,12 @@ class ThrottleBook:
         :class:`Waiters` whose fold is kept, unless ``skip`` is given."""
         line = self.lines.get(key)
         return () if line is None else line.ahead(before, skip=skip)
+
+    def heads(self, key: bytes, count: int) -> tuple[tuple[bytes, int], ...]:
+        """``key``'s first ``count`` waiters: (etcd key, create revision), oldest
+        first."""
+        line = self.lines.get(key)
+        return () if line is None else line.heads(count)
 
     def line_length(self, key: bytes) -> int:
         line = self.lines.get(key)
