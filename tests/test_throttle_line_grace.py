@@ -20,7 +20,13 @@ from itertools import accumulate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elockd.backend.cluster.throttle_book import NO_TAT, behind, head_turn, judge_in_line
+from elockd.backend.cluster.throttle_book import (
+    NO_TAT,
+    behind,
+    head_turn,
+    judge_in_line,
+    passed_entries,
+)
 from elockd.engine.gcra import EPSILON, Rate
 from elockd.engine.line_grace import passed_over, turn
 
@@ -52,6 +58,13 @@ def test_a_head_became_the_head_no_earlier_than_the_write_of_the_tat() -> None:
     # was admitted, or passed over, then): its grace runs from 50.
     assert passed_over(10.0, 50.0, 50.9, GRACE, [STEP], 16) == (0, 51.0)
     assert passed_over(10.0, 50.0, 51.1, GRACE, [STEP], 16) == (1, math.inf)
+
+
+def test_passing_a_head_passes_the_later_entries_of_its_node() -> None:
+    heads = [(b"w1", 1, "a"), (b"w2", 2, "b"), (b"w3", 3, "a"), (b"w4", 4, "c"), (b"w5", 5, "a")]
+    assert passed_entries(heads, 0) == ()
+    assert passed_entries(heads, 1) == ((b"w1", 1, "a"), (b"w3", 3, "a"), (b"w5", 5, "a"))
+    assert passed_entries(heads, 2) == (*heads[:3], (b"w5", 5, "a"))
 
 
 def test_no_tat_passes_nobody() -> None:

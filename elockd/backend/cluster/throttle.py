@@ -68,10 +68,12 @@ from elockd.backend.cluster.ledger import ClusterSession, Ledger, ThrottleWait
 from elockd.backend.cluster.throttle_book import (
     NO_TAT,
     Ahead,
+    Head,
     ThrottleBook,
     behind,
     head_turn,
     judge_in_line,
+    passed_entries,
 )
 from elockd.backend.interface import BackendUnavailable, QueueFull
 from elockd.engine.gcra import Rate, Verdict, judge
@@ -85,8 +87,9 @@ MAX_SWAPS = 32
 DELETES_PER_TXN = 64
 #: Seconds between two sweeps of lapsed TATs and stray line entries.
 SWEEP_PERIOD = 1.0
-#: Heads passed over in one txn at most (each costs etcd two compares and a delete).
-MAX_PASS = 16
+#: Line entries passed over in one txn at most (each costs a compare and a delete;
+#: etcd's --max-txn-ops is 128).
+MAX_PASS = 32
 
 __all__ = ["ClusterThrottles", "ThrottleWait"]
 
@@ -104,8 +107,8 @@ class Seen:
     at: int
     #: The writer's wall clock when it wrote the TAT (the head is the head since).
     since: float = NO_TAT
-    #: The line's first entries (at most MAX_PASS): (etcd key, create revision).
-    heads: tuple[tuple[bytes, int], ...] = ()
+    #: The line's first entries (at most MAX_PASS): (etcd key, create revision, node).
+    heads: tuple[Head, ...] = ()
 
 
 class PassedOver(Exception):
@@ -196,17 +199,21 @@ class ClusterThrottles:
 
     # ------------------------------------------------------------- passing over
 
-    def _passing(self, seen: Seen, now: float) -> tuple[tuple[tuple[bytes, int], ...], float]:
-        """The heads ahead in ``seen`` passed over at ``now`` (wall clock), and when
-        the next one will be (``inf``: never, as things stand)."""
+    def _passing(self, seen: Seen, now: float, mine: bytes = b"") -> tuple[tuple[Head, ...], float]:
+        """The entries of ``seen``'s line passed over at ``now`` (wall clock): the
+        heads ahead whose turn came more than the grace ago, and the later entries of
+        their nodes (:func:`.throttle_book.passed_entries`); and when the next head will be
+        (``inf``: never, as things stand). Never ``mine``, the entry of the waiter
+        that asks: it is here to take its turn."""
         limit = min(len(seen.heads), len(seen.ahead))
         if not limit:
             return (), float("inf")
         count, due = passed_over(seen.tat, seen.since, now, self.line_grace, seen.ahead, limit)
-        return seen.heads[:count], due
+        found = passed_entries(seen.heads, count)
+        return tuple(entry for entry in found if entry[0] != mine), due
 
     def _pass_guard(
-        self, key: bytes, seen: Seen, passing: tuple[tuple[bytes, int], ...]
+        self, key: bytes, seen: Seen, passing: tuple[Head, ...]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(compares, deletes) of passing over ``passing``: the TAT is the one
         ``seen`` judged on (none of them took its turn), each is still in line and
@@ -215,9 +222,9 @@ class ClusterThrottles:
         compares = [
             compare_mod(self.layout.tat(key), "==", seen.tat_revision),
             compare_create(line, ">", passing[0][1] - 1, prefix_end(line)),
-            *(compare_create(etcd_key, "==", revision) for etcd_key, revision in passing),
+            *(compare_create(etcd_key, "==", revision) for etcd_key, revision, _ in passing),
         ]
-        return compares, [delete_op(etcd_key) for etcd_key, _ in passing]
+        return compares, [delete_op(etcd_key) for etcd_key, _, _ in passing]
 
     def _passed(
         self,
@@ -225,19 +232,22 @@ class ClusterThrottles:
         tat: float,
         revision: int,
         now: float,
-        passing: Collection[tuple[bytes, int]],
+        passing: Collection[Head],
     ) -> None:
         """This node's txn wrote ``tat`` at ``now`` and removed ``passing``."""
         self.book.wrote(key, tat, revision, self.node_id, now)
         seen_up_to = self.mirror_revision()
-        for etcd_key, _ in passing:
+        for etcd_key, _, _ in passing:
             self.book.left(etcd_key, revision, seen_up_to)
 
-    async def _pass_stale(self, key: bytes, seen: Seen, before: int = 1 << 62) -> Seen:
-        """Pass over the heads of ``key``'s line (older than ``before``) whose turn
-        came more than the grace ago, if any: the key as etcd then shows it."""
+    async def _pass_stale(
+        self, key: bytes, seen: Seen, before: int = 1 << 62, mine: bytes = b""
+    ) -> Seen:
+        """Pass over the heads of ``key``'s line (older than ``before``, the waiter
+        ``mine``'s place) whose turn came more than the grace ago, if any: the key as
+        etcd then shows it."""
         now = self.wall()
-        passing, _ = self._passing(seen, now)
+        passing, _ = self._passing(seen, now, mine)
         if not passing:
             return seen
         compares, deletes = self._pass_guard(key, seen, passing)
@@ -416,7 +426,7 @@ class ClusterThrottles:
             return state.deadline
         now = self.wall()
         if view.head != state.etcd_key:
-            passing, due = self._passing(view, now)
+            passing, due = self._passing(view, now, state.etcd_key)
             if _may_pass(passing, view):
                 return None  # the heads ahead are passed over: this waiter's move
             if due == float("inf"):
@@ -441,14 +451,16 @@ class ClusterThrottles:
             raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
         view = self._view(state, seen)
         now = self.wall()
-        passing: tuple[tuple[bytes, int], ...] = ()
+        passing: tuple[Head, ...] = ()
         if view.head != state.etcd_key:
-            passing, _ = self._passing(view, now)
+            passing, _ = self._passing(view, now, state.etcd_key)
             if not _may_pass(passing, view):
                 return None, view
         verdict, after, _ = head_turn(view.tat, now, state.rate)
-        if passing and (verdict is None or len(passing) < len(view.ahead)):
-            return None, await self._pass_stale(state.key, view, state.revision)
+        if passing and (verdict is None or len(view.ahead) > len(view.heads)):
+            # Its own turn has not come, or the line ahead is longer than one txn
+            # passes: only the passing, for now.
+            return None, await self._pass_stale(state.key, view, state.revision, state.etcd_key)
         if verdict is None:
             return None, view
         tat_key, line = self.layout.tat(state.key), self.layout.throttle_line(state.key)
@@ -538,11 +550,16 @@ def _read(result: TxnResult, first: int, *, before: int = 1 << 62) -> Seen:
         tat, _, since = parse_tat_value(tats[0].value)
         revision = tats[0].mod_revision
     ahead = [parse_waiter_value(kv.value)[1:] for kv in line if kv.create_revision < before]
-    heads = tuple((kv.key, kv.create_revision) for kv in line[:MAX_PASS])
+    heads = tuple(
+        (kv.key, kv.create_revision, parse_waiter_value(kv.value)[0]) for kv in line[:MAX_PASS]
+    )
     return Seen(tat, revision, line[0].key if line else None, ahead, result.revision, since, heads)
 
 
-def _may_pass(passing: tuple[tuple[bytes, int], ...], view: Seen) -> bool:
+def _may_pass(passing: tuple[Head, ...], view: Seen) -> bool:
     """Whether a waiter that sees ``view`` passes over ``passing`` itself: when they
-    are everyone ahead of it, or as many as one txn passes (the line is long)."""
-    return bool(passing) and len(passing) in (len(view.ahead), MAX_PASS)
+    are everyone ahead of it (as far as ``view`` names the line's entries)."""
+    if not passing:
+        return False
+    gone = {etcd_key for etcd_key, _, _ in passing}
+    return all(etcd_key in gone for etcd_key, _, _ in view.heads[: len(view.ahead)])

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import NamedTuple
@@ -49,6 +49,20 @@ NO_TAT = float("-inf")
 #: A waiter as a request behind it sees it: (units, capacity), N·T and B·T of its
 #: own rate.
 Ahead = tuple[float, float]
+#: A line entry as passing over names it: (etcd key, create revision, node).
+Head = tuple[bytes, int, str]
+
+
+def passed_entries(heads: Sequence[Head], count: int) -> tuple[Head, ...]:
+    """What passing over the first ``count`` of ``heads`` (a line's first entries,
+    oldest first) removes: them, and every later entry of those ``heads`` that the
+    same nodes serve. A node that let a turn pass cannot take the next one either
+    (it is cut from etcd, paused or stuck): each of its entries would cost the line
+    one more grace when it came to the head."""
+    if not count:
+        return ()
+    silent = {node for _, _, node in heads[:count]}
+    return (*heads[:count], *(head for head in heads[count:] if head[2] in silent))
 
 
 def behind(tat: float, now: float, rate: Rate, ahead: Collection[Ahead]) -> Verdict:
@@ -247,10 +261,10 @@ class Line:
             )
         return waiters
 
-    def heads(self, count: int) -> tuple[tuple[bytes, int], ...]:
-        """The first ``count`` entries' (etcd key, create revision)."""
+    def heads(self, count: int) -> tuple[Head, ...]:
+        """The first ``count`` entries' (etcd key, create revision, node)."""
         entries = self.entries
-        return tuple((entries[r].etcd_key, r) for r in self.revisions[:count])
+        return tuple((entries[r].etcd_key, r, entries[r].node) for r in self.revisions[:count])
 
     def ahead(self, revision: int, *, skip: int = 0) -> Collection[Ahead]:
         """The waiters older than ``revision`` (but ``skip``), oldest first."""
@@ -411,9 +425,9 @@ class ThrottleBook:
         line = self.lines.get(key)
         return () if line is None else line.ahead(before, skip=skip)
 
-    def heads(self, key: bytes, count: int) -> tuple[tuple[bytes, int], ...]:
-        """``key``'s first ``count`` waiters: (etcd key, create revision), oldest
-        first."""
+    def heads(self, key: bytes, count: int) -> tuple[Head, ...]:
+        """``key``'s first ``count`` waiters: (etcd key, create revision, node),
+        oldest first."""
         line = self.lines.get(key)
         return () if line is None else line.heads(count)
 
