@@ -419,8 +419,9 @@ class ClusterThrottles:
 
     def _due(self, state: ThrottleWait, seen: Seen | None) -> float | None:
         """When to look again (this node's monotonic clock), or None when it is this
-        waiter's turn now. Not at the head: at the deadline (a change of the key
-        wakes it sooner)."""
+        waiter's move now (its turn, or passing over the heads ahead of it). Not at
+        the head: when the next head ahead may be passed over, else at the deadline
+        (a change of the key wakes it sooner)."""
         view = self._view(state, seen)
         if view.at < state.revision:
             return state.deadline
