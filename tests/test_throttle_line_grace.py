@@ -20,6 +20,7 @@ from itertools import accumulate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elockd.backend.cluster.layout import parse_tat_value, tat_value
 from elockd.backend.cluster.throttle_book import (
     NO_TAT,
     behind,
@@ -65,6 +66,13 @@ def test_passing_a_head_passes_the_later_entries_of_its_node() -> None:
     assert passed_entries(heads, 0) == ()
     assert passed_entries(heads, 1) == ((b"w1", 1, "a"), (b"w3", 3, "a"), (b"w5", 5, "a"))
     assert passed_entries(heads, 2) == (*heads[:3], (b"w5", 5, "a"))
+
+
+def test_a_tats_value_carries_when_it_was_written_and_reads_without_it() -> None:
+    assert parse_tat_value(tat_value(12.5, "n1", 10.25)) == (12.5, "n1", 10.25)
+    # A value written before the field existed: no time, so only the GCRA turn counts.
+    assert parse_tat_value(tat_value(12.5, "n1")) == (12.5, "n1", NO_TAT)
+    assert parse_tat_value(b"12.5 n1 soon") == (math.inf, "", NO_TAT)  # refuses: safe
 
 
 def test_no_tat_passes_nobody() -> None:
