@@ -179,6 +179,21 @@ async def test_etcd_in_flight_is_the_window_of_a_nodes_etcd_client() -> None:
     await backend.client.aclose()
 
 
+async def test_throttle_line_grace_reaches_a_nodes_throttles(tmp_path: Path) -> None:
+    from elockd.backend.cluster.space import ClusterLockSpace
+    from elockd.daemon.server import make_cluster_backend
+
+    file = write(tmp_path / "elockd.toml", "throttle_line_grace = 0.25\n")
+    assert load_config(["--config", file], {})[0].throttle_line_grace == 0.25
+    config, _ = load_config(["--etcd", "127.0.0.1:9"], {"ELOCKD_THROTTLE_LINE_GRACE": "0.5"})
+    backend = make_cluster_backend(config)
+    assert isinstance(backend, ClusterLockSpace)
+    assert backend.throttles.line_grace == 0.5
+    await backend.client.aclose()
+    with pytest.raises(UsageError, match="--throttle-line-grace 3: not under --session-ttl 3"):
+        load_config(["--throttle-line-grace", "3", "--session-ttl", "3"], {})
+
+
 def test_version_comes_from_the_package_metadata() -> None:
     result = elockd("--version")
     assert (result.returncode, result.stdout, result.stderr) == (0, f"elockd {__version__}\n", "")
@@ -193,6 +208,7 @@ def test_version_comes_from_the_package_metadata() -> None:
         (["--etcd", "ftp://x"], "argument --etcd: 'ftp://x' is not host:port"),
         (["--max-ttl", "nan"], "argument --max-ttl: a number of seconds above 0, not 'nan'"),
         (["--etcd-in-flight", "0"], "argument --etcd-in-flight: a whole number, 1 or more"),
+        (["--throttle-line-grace", "0"], "argument --throttle-line-grace: a number of seconds"),
         (["--tls-key", "k.pem"], "elockd: --tls-key and --tls-client-ca need --tls-cert"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],

@@ -52,6 +52,7 @@ NUMBER_KEYS = {
     "grace": ["-1", "1e12"],
     "session_ttl": ["1", "9000000001"],
     "etcd_in_flight": ["0", "many"],
+    "throttle_line_grace": ["0", "-1", "nan", "5", "7.5"],
     "unix_mode": ["999", "1000", "rw-", "-1", "0o1777"],
 }
 TEXT_KEYS = ["host", "metrics_host", "unix", "auth_token_file", "tls_cert", "etcd_prefix"]

@@ -529,6 +529,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --etcd: calls to etcd in flight at once; the others wait in order",
     )
+    add(
+        "--throttle-line-grace",
+        type=positive_float,
+        default=defaults.throttle_line_grace,
+        metavar="SECONDS",
+        help="with --etcd: a throttle line's head whose node has not taken its turn this "
+        "long after it came is passed over (less than --session-ttl)",
+    )
     add("--log-level", choices=LEVELS, default=defaults.log_level, help="least severe level logged")
     add(
         "--log-format",
@@ -715,6 +723,12 @@ def check_combinations(config: Config) -> None:
     if config.grace > config.max_ttl:
         # set_timeout refuses more than --max-ttl; the default must not be more either.
         raise UsageError(f"--grace {config.grace:g}: above --max-ttl {config.max_ttl:g}")
+    if config.throttle_line_grace >= config.session_ttl:
+        # A head held for longer is freed by its node's lease running out anyway.
+        raise UsageError(
+            f"--throttle-line-grace {config.throttle_line_grace:g}: "
+            f"not under --session-ttl {config.session_ttl}"
+        )
     if config.etcd and config.max_keys > MAX_CLUSTER_KEYS:
         # One mlock is one etcd txn: a put and a count per key, and etcd's default
         # --max-txn-ops is 128.

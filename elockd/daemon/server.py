@@ -427,6 +427,7 @@ def make_cluster_backend(config: Config) -> Backend:
         max_waiters=config.max_waiters,
         max_holds=config.max_holds,
         max_throttles=config.max_throttles,
+        throttle_line_grace=config.throttle_line_grace,
     )
 
 

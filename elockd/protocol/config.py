@@ -77,3 +77,6 @@ class Config:
     session_ttl: int = 5
     etcd_timeout: float = 3.0
     etcd_in_flight: int = 16
+    # A throttle line's head whose node has not taken its turn this many seconds
+    # after it came is passed over (under --session-ttl).
+    throttle_line_grace: float = 1.0

@@ -231,20 +231,28 @@ def parse_record(value: bytes) -> SessionRecord:
     return SessionRecord(node, connected, grace_ms, tag)
 
 
-def tat_value(tat: float, node_id: str) -> bytes:
-    """A TAT's value: the wall-clock time (``repr``, so it reads back exactly) and
-    the node that wrote it (which deletes it once it lapses)."""
-    return b"%r %s" % (tat, node_id.encode())
+def tat_value(tat: float, node_id: str, since: float | None = None) -> bytes:
+    """A TAT's value: the wall-clock time (``repr``, so it reads back exactly), the
+    node that wrote it (which deletes it once it lapses) and, when given, the
+    writer's wall clock as it wrote: the line's head became the head then, and its
+    turn comes no earlier (:mod:`elockd.engine.line_grace`)."""
+    if since is None:
+        return b"%r %s" % (tat, node_id.encode())
+    return b"%r %s %r" % (tat, node_id.encode(), since)
 
 
-def parse_tat_value(value: bytes) -> tuple[float, str]:
-    """(TAT, writer) of a TAT's value. A malformed one reads as far in the future
-    with no writer: it then refuses (safe) until an operator deletes it."""
-    tat, _, writer = value.partition(b" ")
+def parse_tat_value(value: bytes) -> tuple[float, str, float]:
+    """(TAT, writer, since) of a TAT's value (``since`` ``-inf`` when it has none).
+    A malformed one reads as far in the future with no writer: it then refuses
+    (safe) until an operator deletes it."""
+    parts = value.split(b" ", 2)
     try:
-        return float(tat), writer.decode(errors="replace")
+        tat = float(parts[0])
+        since = float(parts[2]) if len(parts) > 2 else float("-inf")
     except ValueError:
-        return float("inf"), ""
+        return float("inf"), "", float("-inf")
+    writer = parts[1].decode(errors="replace") if len(parts) > 1 else ""
+    return tat, writer, since
 
 
 def waiter_value(node_id: str, units: float, capacity: float) -> bytes:

@@ -89,6 +89,7 @@ class ClusterLockSpace(Backend):
         max_waiters: int = 10_000,
         max_holds: int = 10_000,
         max_throttles: int = 1_000_000,
+        throttle_line_grace: float = 1.0,
     ) -> None:
         self.client = client  # the server closes it; only calls (below) calls it
         self.layout = layout = Layout(root)
@@ -120,6 +121,7 @@ class ClusterLockSpace(Backend):
             node_id,
             max_throttles=max_throttles,
             max_waiters=max_waiters,
+            line_grace=throttle_line_grace,
         )
         self.operators = operators = ClusterOperators(calls, ledger, layout, mirror)
         self.node = ClusterNode(calls, ledger, layout, mirror, lease, records, ends, node_id)

@@ -18,6 +18,15 @@ head of a line is admitted, by its own node, at its turn, with a transaction tha
 also checks it still heads the line and deletes its entry. The rule is
 :mod:`.throttle_book`'s; the copy of the keys this node judges on is the mirror's.
 
+A head whose node has not taken its turn ``line_grace`` seconds after it came (the
+node is cut from etcd, paused, slow) is passed over (:mod:`elockd.engine.line_grace`):
+the waiter behind it, or a newcomer, deletes its entry in a transaction that
+compares the TAT it judged on (so the head had not taken its turn) and that the
+passed-over entries are the line's first, and rewrites the TAT unchanged with its
+own wall clock as ``since``: the new head's turn comes no earlier. The TAT stays,
+so passing admits nobody; a passed-over head that comes back finds its entry gone
+(its swap compares that entry) and is answered as a wait that ran out.
+
 Lapsed TATs are deleted by the node that wrote them (and by any node, once lapsed
 for two session TTLs: their writer may be gone), guarded by the TAT's mod revision:
 a key whose TAT moved meanwhile stays.
@@ -30,7 +39,7 @@ import secrets
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 
@@ -59,13 +68,16 @@ from elockd.backend.cluster.ledger import ClusterSession, Ledger, ThrottleWait
 from elockd.backend.cluster.throttle_book import (
     NO_TAT,
     Ahead,
+    Head,
     ThrottleBook,
     behind,
     head_turn,
     judge_in_line,
+    passed_entries,
 )
 from elockd.backend.interface import BackendUnavailable, QueueFull
 from elockd.engine.gcra import Rate, Verdict, judge
+from elockd.engine.line_grace import passed_over
 from elockd.engine.throttles import THROTTLE_KIND, TooManyThrottles
 
 #: Swaps a request tries before it gives up (each lost one means another request
@@ -75,6 +87,9 @@ MAX_SWAPS = 32
 DELETES_PER_TXN = 64
 #: Seconds between two sweeps of lapsed TATs and stray line entries.
 SWEEP_PERIOD = 1.0
+#: Line entries passed over in one txn at most (each costs a compare and a delete;
+#: etcd's --max-txn-ops is 128).
+MAX_PASS = 32
 
 __all__ = ["ClusterThrottles", "ThrottleWait"]
 
@@ -90,6 +105,15 @@ class Seen:
     head: bytes | None
     ahead: Collection[Ahead]
     at: int
+    #: The writer's wall clock when it wrote the TAT (the head is the head since).
+    since: float = NO_TAT
+    #: The line's first entries (at most MAX_PASS): (etcd key, create revision, node).
+    heads: tuple[Head, ...] = ()
+
+
+class PassedOver(Exception):
+    """This node's line entry was passed over (deleted by another node) while the
+    node's lease held: the wait ends as one that ran out."""
 
 
 class ClusterThrottles:
@@ -108,6 +132,7 @@ class ClusterThrottles:
         *,
         max_throttles: int,
         max_waiters: int,
+        line_grace: float = 1.0,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.calls, self.ledger, self.layout, self.book = calls, ledger, layout, book
@@ -116,6 +141,7 @@ class ClusterThrottles:
         self.node_id = node_id  # a successor takes its predecessor's
         self.max_throttles = max_throttles
         self.max_waiters = max_waiters
+        self.line_grace = line_grace
         self.wall = wall
         #: Line entries a request of this node is creating or waits on: not strays.
         self.live: set[bytes] = set()
@@ -138,6 +164,8 @@ class ClusterThrottles:
             # Refused on this node's copy: etcd's TAT is the same or later, never
             # earlier, and waiters only add to the wait; so etcd refuses it too.
             return self._answered(judge_in_line(seen.tat, wall, rate, seen.ahead)[0])
+        if seen.heads:
+            seen = await self._pass_stale(key, seen)
         if wait <= 0:
             return await self._swap(key, rate, seen)
         return await self._swap_or_queue(session, key, rate, wait, seen)
@@ -165,7 +193,71 @@ class ClusterThrottles:
             head.etcd_key if head is not None else None,
             book.ahead(key, before, skip=skip),
             self.mirror_revision(),
+            found.since if found is not None else NO_TAT,
+            book.heads(key, MAX_PASS) if head is not None else (),
         )
+
+    # ------------------------------------------------------------- passing over
+
+    def _passing(self, seen: Seen, now: float, mine: bytes = b"") -> tuple[tuple[Head, ...], float]:
+        """The entries of ``seen``'s line passed over at ``now`` (wall clock): the
+        heads ahead whose turn came more than the grace ago, and the later entries of
+        their nodes (:func:`.throttle_book.passed_entries`); and when the next head will be
+        (``inf``: never, as things stand). Never ``mine``, the entry of the waiter
+        that asks: it is here to take its turn."""
+        limit = min(len(seen.heads), len(seen.ahead))
+        if not limit:
+            return (), float("inf")
+        count, due = passed_over(seen.tat, seen.since, now, self.line_grace, seen.ahead, limit)
+        found = passed_entries(seen.heads, count)
+        return tuple(entry for entry in found if entry[0] != mine), due
+
+    def _pass_guard(
+        self, key: bytes, seen: Seen, passing: tuple[Head, ...]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(compares, deletes) of passing over ``passing``: the TAT is the one
+        ``seen`` judged on (none of them took its turn), each is still in line and
+        nothing older is (they are the line's first)."""
+        line = self.layout.throttle_line(key)
+        compares = [
+            compare_mod(self.layout.tat(key), "==", seen.tat_revision),
+            compare_create(line, ">", passing[0][1] - 1, prefix_end(line)),
+            *(compare_create(etcd_key, "==", revision) for etcd_key, revision, _ in passing),
+        ]
+        return compares, [delete_op(etcd_key) for etcd_key, _, _ in passing]
+
+    def _passed(
+        self,
+        key: bytes,
+        tat: float,
+        revision: int,
+        now: float,
+        passing: Collection[Head],
+    ) -> None:
+        """This node's txn wrote ``tat`` at ``now`` and removed ``passing``."""
+        self.book.wrote(key, tat, revision, self.node_id, now)
+        seen_up_to = self.mirror_revision()
+        for etcd_key, _, _ in passing:
+            self.book.left(etcd_key, revision, seen_up_to)
+
+    async def _pass_stale(
+        self, key: bytes, seen: Seen, before: int = 1 << 62, mine: bytes = b""
+    ) -> Seen:
+        """Pass over the heads of ``key``'s line (older than ``before``, the waiter
+        ``mine``'s place) whose turn came more than the grace ago, if any: the key as
+        etcd then shows it."""
+        now = self.wall()
+        passing, _ = self._passing(seen, now, mine)
+        if not passing:
+            return seen
+        compares, deletes = self._pass_guard(key, seen, passing)
+        put = put_op(self.layout.tat(key), tat_value(seen.tat, self.node_id, now))
+        reads = self._reads(key)
+        result = await self.calls.txn(compares, [put, *deletes, *reads], reads)
+        if not result.succeeded:
+            return _read(result, 0, before=before)
+        self._passed(key, seen.tat, result.revision, now, passing)
+        return _read(result, 1 + len(deletes), before=before)
 
     def _guard(self, key: bytes, seen: Seen) -> list[dict[str, Any]]:
         """The swap's compare: the TAT is the one ``seen`` judged on, and nobody
@@ -196,11 +288,11 @@ class ClusterThrottles:
                 return self._answered(verdict)
             result = await self.calls.txn(
                 self._guard(key, seen),
-                [put_op(tat_key, tat_value(after, self.node_id))],
+                [put_op(tat_key, tat_value(after, self.node_id, now))],
                 self._reads(key),
             )
             if result.succeeded:
-                self.book.wrote(key, after, result.revision, self.node_id)
+                self.book.wrote(key, after, result.revision, self.node_id, now)
                 return self._answered(verdict)
             seen = _read(result, 0)
         raise BackendUnavailable("throttle: too many requests on one key raced this one")
@@ -222,10 +314,10 @@ class ClusterThrottles:
             lease = self.lease.current()
             queue = [put_op(entry, value, lease), *self._reads(key)]
             if verdict.admitted:
-                put = put_op(tat_key, tat_value(after, self.node_id))
+                put = put_op(tat_key, tat_value(after, self.node_id, now))
                 result = await self.calls.txn(self._guard(key, seen), [put], queue)
                 if result.succeeded:
-                    self.book.wrote(key, after, result.revision, self.node_id)
+                    self.book.wrote(key, after, result.revision, self.node_id, now)
                     return self._answered(verdict)
             else:
                 result = await self.calls.txn([], queue)
@@ -279,6 +371,8 @@ class ClusterThrottles:
                 if due is not None:
                     break  # its deadline
                 verdict, seen = await self._take_turn(state, seen)
+        except PassedOver:
+            pass  # answered as a wait that ran out: its place is gone
         finally:
             book.unlisten(state.key, wake)
             ledger.local_waiting -= 1
@@ -312,56 +406,92 @@ class ClusterThrottles:
             return seen
         view = self._look(state.key, state.revision)
         if view.at >= state.revision and not self.book.has_waiter(state.etcd_key):
-            raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
+            self._gone()
         return view
+
+    def _gone(self) -> NoReturn:
+        """This node's line entry is gone: with the node's lease (past its local
+        deadline), or passed over by another node while the lease held."""
+        self.lease.check_expiry()
+        if self.lease.past_deadline():
+            raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
+        raise PassedOver()
 
     def _due(self, state: ThrottleWait, seen: Seen | None) -> float | None:
         """When to look again (this node's monotonic clock), or None when it is this
-        waiter's turn now. Not at the head: at the deadline (a change of the key
-        wakes it sooner)."""
+        waiter's move now (its turn, or passing over the heads ahead of it). Not at
+        the head: when the next head ahead may be passed over, else at the deadline
+        (a change of the key wakes it sooner)."""
         view = self._view(state, seen)
-        if view.at < state.revision or view.head != state.etcd_key:
+        if view.at < state.revision:
             return state.deadline
         now = self.wall()
-        verdict, _, due = head_turn(view.tat, now, state.rate)
-        if verdict is not None:
-            return None
-        return trio.current_time() + max(due - now, 1e-6)
+        if view.head != state.etcd_key:
+            passing, due = self._passing(view, now, state.etcd_key)
+            if _may_pass(passing, view):
+                return None  # the heads ahead are passed over: this waiter's move
+            if due == float("inf"):
+                return state.deadline
+        else:
+            verdict, _, due = head_turn(view.tat, now, state.rate)
+            if verdict is not None:
+                return None
+        return min(state.deadline, trio.current_time() + max(due - now, 1e-6))
 
     async def _take_turn(
         self, state: ThrottleWait, seen: Seen | None
     ) -> tuple[Verdict | None, Seen | None]:
         """The head's turn has come: swap the TAT and delete the entry, in one txn
-        that also checks that the entry still heads its line. (None, what etcd has)
-        when the TAT moved meanwhile. Never under a lease past its local deadline."""
+        that also checks that the entry still heads its line (or that only heads
+        passed over are ahead of it: they are deleted in the same txn). (None, what
+        etcd has) when the TAT moved meanwhile, or when it only passed over heads
+        ahead (its own turn has not come). Never under a lease past its local
+        deadline."""
         self.lease.check_expiry()
         if self.lease.past_deadline():
             raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
         view = self._view(state, seen)
-        verdict, after, _ = head_turn(view.tat, self.wall(), state.rate)
+        now = self.wall()
+        passing: tuple[Head, ...] = ()
+        if view.head != state.etcd_key:
+            passing, _ = self._passing(view, now, state.etcd_key)
+            if not _may_pass(passing, view):
+                return None, view
+        verdict, after, _ = head_turn(view.tat, now, state.rate)
+        if passing and (verdict is None or len(view.ahead) > len(view.heads)):
+            # Its own turn has not come, or the line ahead is longer than one txn
+            # passes: only the passing, for now.
+            return None, await self._pass_stale(state.key, view, state.revision, state.etcd_key)
         if verdict is None:
             return None, view
         tat_key, line = self.layout.tat(state.key), self.layout.throttle_line(state.key)
-        result = await self.calls.txn(
-            [
+        deletes: list[dict[str, Any]] = []
+        if passing:
+            compares, deletes = self._pass_guard(state.key, view, passing)
+        else:
+            compares = [
                 compare_mod(tat_key, "==", view.tat_revision)
                 if view.tat_revision
                 else compare_create(tat_key, "==", 0),
-                compare_create(state.etcd_key, "==", state.revision),
                 # Every entry of the line is as young as this one or younger.
                 compare_create(line, ">", state.revision - 1, prefix_end(line)),
+            ]
+        result = await self.calls.txn(
+            [*compares, compare_create(state.etcd_key, "==", state.revision)],
+            [
+                put_op(tat_key, tat_value(after, self.node_id, now)),
+                delete_op(state.etcd_key),
+                *deletes,
             ],
-            [put_op(tat_key, tat_value(after, self.node_id)), delete_op(state.etcd_key)],
-            self._reads(state.key, head_only=True),
+            self._reads(state.key, head_only=not passing),
         )
         if result.succeeded:
-            self.book.wrote(state.key, after, result.revision, self.node_id)
+            self._passed(state.key, after, result.revision, now, passing)
             self.book.left(state.etcd_key, result.revision, self.mirror_revision())
             return verdict, None
         fresh = _read(result, 0, before=state.revision)
-        if fresh.head != state.etcd_key:
-            # Nobody older can join a line: the entry itself is gone.
-            raise BackendUnavailable("throttle wait lost: this node's etcd lease ran out")
+        if all(kv.key != state.etcd_key for kv in result.kvs(1)):
+            self._gone()  # nobody older can join a line: the entry itself is gone
         return None, fresh
 
     async def _leave(self, state: ThrottleWait) -> None:
@@ -416,8 +546,21 @@ def _read(result: TxnResult, first: int, *, before: int = 1 << 62) -> Seen:
     """A key as a txn's two reads show it: its TAT, then its line oldest first (the
     waiters older than ``before`` are the ones ahead)."""
     tats, line = result.kvs(first), result.kvs(first + 1)
-    tat, revision = NO_TAT, 0
+    tat, revision, since = NO_TAT, 0, NO_TAT
     if tats:
-        tat, revision = parse_tat_value(tats[0].value)[0], tats[0].mod_revision
+        tat, _, since = parse_tat_value(tats[0].value)
+        revision = tats[0].mod_revision
     ahead = [parse_waiter_value(kv.value)[1:] for kv in line if kv.create_revision < before]
-    return Seen(tat, revision, line[0].key if line else None, ahead, result.revision)
+    heads = tuple(
+        (kv.key, kv.create_revision, parse_waiter_value(kv.value)[0]) for kv in line[:MAX_PASS]
+    )
+    return Seen(tat, revision, line[0].key if line else None, ahead, result.revision, since, heads)
+
+
+def _may_pass(passing: tuple[Head, ...], view: Seen) -> bool:
+    """Whether a waiter that sees ``view`` passes over ``passing`` itself: when they
+    are everyone ahead of it (as far as ``view`` names the line's entries)."""
+    if not passing:
+        return False
+    gone = {etcd_key for etcd_key, _, _ in passing}
+    return all(etcd_key in gone for etcd_key, _, _ in view.heads[: len(view.ahead)])

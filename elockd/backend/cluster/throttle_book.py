@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import NamedTuple
@@ -49,6 +49,20 @@ NO_TAT = float("-inf")
 #: A waiter as a request behind it sees it: (units, capacity), N·T and B·T of its
 #: own rate.
 Ahead = tuple[float, float]
+#: A line entry as passing over names it: (etcd key, create revision, node).
+Head = tuple[bytes, int, str]
+
+
+def passed_entries(heads: Sequence[Head], count: int) -> tuple[Head, ...]:
+    """What passing over the first ``count`` of ``heads`` (a line's first entries,
+    oldest first) removes: them, and every later entry of those ``heads`` that the
+    same nodes serve. A node that let a turn pass cannot take the next one either
+    (it is cut from etcd, paused or stuck): each of its entries would cost the line
+    one more grace when it came to the head."""
+    if not count:
+        return ()
+    silent = {node for _, _, node in heads[:count]}
+    return (*heads[:count], *(head for head in heads[count:] if head[2] in silent))
 
 
 def behind(tat: float, now: float, rate: Rate, ahead: Collection[Ahead]) -> Verdict:
@@ -194,6 +208,7 @@ class Tat:
     tat: float
     revision: int
     writer: str
+    since: float = NO_TAT  # the writer's wall clock when it wrote (the head's since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +260,11 @@ class Line:
                 [(entries[r].units, entries[r].capacity) for r in self.revisions]
             )
         return waiters
+
+    def heads(self, count: int) -> tuple[Head, ...]:
+        """The first ``count`` entries' (etcd key, create revision, node)."""
+        entries = self.entries
+        return tuple((entries[r].etcd_key, r, entries[r].node) for r in self.revisions[:count])
 
     def ahead(self, revision: int, *, skip: int = 0) -> Collection[Ahead]:
         """The waiters older than ``revision`` (but ``skip``), oldest first."""
@@ -298,8 +318,8 @@ class ThrottleBook:
             return
         key, waiter = parsed
         if waiter is None:
-            tat, writer = parse_tat_value(kv.value)
-            self.wrote(key, tat, kv.mod_revision, writer)
+            tat, writer, since = parse_tat_value(kv.value)
+            self.wrote(key, tat, kv.mod_revision, writer, since)
             return
         if kv.key not in self._located and kv.key not in self._gone:
             node, units, capacity = parse_waiter_value(kv.value)
@@ -319,15 +339,18 @@ class ThrottleBook:
     # watch brings is older or newer by its revision, and an older one never undoes
     # a note.
 
-    def wrote(self, key: bytes, tat: float, revision: int, writer: str) -> None:
-        """The TAT written at ``revision``: by this node's own txn, or as the watch
-        brings it (:meth:`put`). One older than the copy's is left out."""
+    def wrote(
+        self, key: bytes, tat: float, revision: int, writer: str, since: float = NO_TAT
+    ) -> None:
+        """The TAT written at ``revision`` (at ``since`` by its writer's clock): by
+        this node's own txn, or as the watch brings it (:meth:`put`). One older than
+        the copy's is left out."""
         found = self.tats.get(key)
         if found is not None and found.revision > revision:
             return
         if found is None and key in self.lines:
             self._waiting_only -= 1
-        self.tats[key] = Tat(tat, revision, writer)
+        self.tats[key] = Tat(tat, revision, writer, since)
         self._lapses.set(key, tat)
         self._changed(key)
 
@@ -401,6 +424,12 @@ class ThrottleBook:
         :class:`Waiters` whose fold is kept, unless ``skip`` is given."""
         line = self.lines.get(key)
         return () if line is None else line.ahead(before, skip=skip)
+
+    def heads(self, key: bytes, count: int) -> tuple[Head, ...]:
+        """``key``'s first ``count`` waiters: (etcd key, create revision, node),
+        oldest first."""
+        line = self.lines.get(key)
+        return () if line is None else line.heads(count)
 
     def line_length(self, key: bytes) -> int:
         line = self.lines.get(key)
