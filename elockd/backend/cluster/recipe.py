@@ -42,6 +42,7 @@ from elockd.backend.cluster.layout import (
     EXCLUSIVE,
     SHARED,
     Layout,
+    encode_entry_value,
     entry_value,
     parse_entry_value,
 )
@@ -393,13 +394,17 @@ class LockRecipe:
         txn created, on the node's current lease? The mirror shows etcd as of its
         revision, which may trail etcd (a slow or replayed watch); the lease being
         within its local deadline (checked by :meth:`_granted`) is what proves etcd
-        has not expired the entries since."""
+        has not expired the entries since. An entry an operator's ``kill`` marked
+        while the request was being woken is not granted: its node (this one)
+        acknowledges the kill by deleting it."""
         self.lease.check_expiry()
         if session.lost or not self.lease.id or self.lease.past_deadline():
             return False
         for etcd_key in entries:
             found = self.mirror.entry(etcd_key)
             if found is None or found.revision != revision or found.lease != self.lease.id:
+                return False
+            if found.killed:
                 return False
         return True
 
@@ -530,15 +535,9 @@ class LockRecipe:
                 if not found or found[0].lease != lease:
                     continue  # freed meanwhile, or moved to another node
                 entry = parse_entry_value(found[0].value)
-                value = entry_value(
-                    entry.limit,
-                    entry.ttl,
-                    session.owner,
-                    held=entry.held,
-                    rank=entry.rank,
-                    peer=session.peer,
-                    at=entry.at,
-                )
+                if entry.killed:
+                    continue  # revoked: its acknowledgement deletes it
+                value = encode_entry_value(entry, owner=session.owner, peer=session.peer)
                 put = put_op(etcd_key, value, lease)
                 revision = found[0].create_revision
                 puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))

@@ -121,9 +121,10 @@ class ClusterLockSpace(Backend):
             max_throttles=max_throttles,
             max_waiters=max_waiters,
         )
-        self.operators = operators = ClusterOperators(calls, ledger, layout, mirror)
+        self.operators = operators = ClusterOperators(ledger, mirror, records)
         self.node = ClusterNode(calls, ledger, layout, mirror, lease, records, ends, node_id)
         self.node.loops.append(self.throttles.run)
+        self.node.loops.append(operators.send_acks)
         self.node.operators = operators
 
     @property
