@@ -1,0 +1,211 @@
+"""``kill`` on a cluster never makes two holders (docs/cluster.md, "kill on a cluster").
+
+Two in-process nodes over one etcd in memory (:mod:`tests.support.txn_etcd`), whose
+watches the test delivers by hand, on a clock it moves by hand. A client of node A
+holds K, a client of node B waits for it, an operator kills K through B. The waiter
+must not be granted while A may still confirm the hold: it is granted once A has
+dropped the hold and deleted the killed entry (its acknowledgement), or, if A never
+hears of the kill (cut from etcd), once etcd lapses A's lease, which is after A's
+own deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+
+import pytest
+import trio
+import trio.testing
+
+from elockd.backend.cluster.etcd.client import EtcdClient, Event
+from elockd.backend.cluster.layout import EXCLUSIVE, entry_value, parse_entry_value
+from elockd.backend.cluster.mirror import GRANTED, WAITING, ClusterWaiter
+from elockd.backend.cluster.space import ClusterLockSpace
+from elockd.backend.cluster.tokens import fencing_token
+from elockd.backend.interface import Evicted
+from elockd.engine.watchers import KILLED
+from tests.support.txn_etcd import TxnEtcd
+
+TTL = 5
+A_LEASE, B_LEASE = 7, 9
+HOLDER_TAG, WAITER_TAG = 0x42, 0x43
+KEY = b"k"
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    """Time moves only when the test moves it."""
+    return trio.testing.MockClock()
+
+
+class Scene:
+    """Nodes A and B on one :class:`TxnEtcd`: A's session holds K, B's waits for it."""
+
+    def __init__(self) -> None:
+        self.etcd = TxnEtcd()
+        self.clients: list[EtcdClient] = []
+        self.a, self.b = self.node(A_LEASE), self.node(B_LEASE)
+        layout = self.a.layout
+        self.holder_entry = layout.entry(EXCLUSIVE, KEY, HOLDER_TAG)
+        held_at = self.etcd.put(self.holder_entry, entry_value(1, None, b"holder"), A_LEASE)
+        self.holder = self.a.ledger.open_session("h" * 32, b"10.0.0.1:1")
+        self.holder.tag = HOLDER_TAG
+        self.a.ledger.by_tag[HOLDER_TAG] = self.holder
+        self.a.ledger.record_hold(self.holder, EXCLUSIVE, KEY, held_at, trio.current_time(), 0)
+        waiting_at = self.etcd.put(
+            layout.entry(EXCLUSIVE, KEY, WAITER_TAG), entry_value(1, None, b"waiter"), B_LEASE
+        )
+        self.etcd.deliver(self.a)
+        self.etcd.deliver(self.b)
+        self.waiter = ClusterWaiter([(EXCLUSIVE, KEY)], 1)
+        self.waiter.revision = waiting_at
+        self.b.mirror.add_waiter(self.waiter)
+        self.connected: list[ClusterLockSpace] = [self.b]  # A's watch is not delivered
+        self.killed: list[Evicted] | None = None
+        self.freed_on_b: list[bytes] = []
+        self.b.mirror.on_changes = self.heard_on_b(self.b.mirror.on_changes)
+
+    def node(self, lease: int) -> ClusterLockSpace:
+        client = EtcdClient(["http://127.0.0.1:9"])  # never called: TxnEtcd answers
+        self.clients.append(client)
+        space = ClusterLockSpace(client, b"/t/", session_ttl=TTL)
+        self.etcd.attach(space)
+        space.lease.renewed(lease, trio.current_time(), TTL)
+        return space
+
+    def heard_on_b(self, hook: Callable[..., None] | None) -> Callable[..., None]:
+        def heard(freed: list[tuple[object, object, int, bytes]], granted: list[object]) -> None:
+            self.freed_on_b.extend(why for _, _, _, why in freed)
+            if hook is not None:
+                hook(freed, granted)
+
+        return heard
+
+    def run_loops(self, nursery: trio.Nursery) -> None:
+        """A's and B's own loops beside the node's (but the throttles', which this
+        etcd does not serve): what acknowledges a kill."""
+        for space in (self.a, self.b):
+            for loop in space.node.loops:
+                if loop != space.throttles.run:
+                    nursery.start_soon(loop)
+
+    def a_confirms(self) -> bool:
+        """Does A still answer ``200 <token>`` to its client's ``token K``?"""
+        return self.a.token(self.holder, KEY) is not None
+
+    async def kill_through_b(self) -> None:
+        self.killed = await self.b.operators.kill(KEY)
+
+    async def settle(self) -> None:
+        """Let every task run, delivering the connected nodes' watches, until quiet."""
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            if not any(self.etcd.mailboxes[id(space)] for space in self.connected):
+                return
+            for space in self.connected:
+                self.etcd.deliver(space)
+
+    def check_never_two_holders(self) -> None:
+        """The invariant, at any moment: B's waiter granted means A no longer
+        confirms the hold."""
+        if self.waiter.state == GRANTED:
+            assert not self.a_confirms(), "B granted K while A still confirms it"
+
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.aclose()
+
+
+@pytest.fixture
+async def scene() -> AsyncIterator[Scene]:
+    built = Scene()
+    yield built
+    await built.aclose()
+
+
+def deletes_of(events: Iterable[Event], key: bytes) -> bool:
+    return any(e.type == "DELETE" and e.kv.key == key for e in events)
+
+
+async def test_the_next_grant_waits_for_the_holders_node_to_acknowledge(
+    clock: trio.testing.MockClock, scene: Scene
+) -> None:
+    confirmed_at_delete: list[bool] = []
+    scene.etcd.on_commit = lambda events: (
+        confirmed_at_delete.append(scene.a_confirms())
+        if deletes_of(events, scene.holder_entry)
+        else None
+    )
+    async with trio.open_nursery() as nursery:
+        scene.run_loops(nursery)
+        nursery.start_soon(scene.kill_through_b)
+        await scene.settle()
+        # The kill is in etcd and B has seen it; A has not heard of it yet.
+        scene.check_never_two_holders()
+        assert scene.waiter.state == WAITING, "granted before the holder's node acknowledged"
+        assert scene.a_confirms()
+        kv = scene.etcd.kvs[scene.holder_entry]
+        assert parse_entry_value(kv.value).killed and kv.lease == A_LEASE
+        assert scene.killed is None  # the kill answers once the entry is gone
+        # A's watch delivers: A drops the hold, then deletes the entry.
+        scene.connected.append(scene.a)
+        await scene.settle()
+        scene.check_never_two_holders()
+        assert confirmed_at_delete == [False], "A acknowledged before dropping the hold"
+        assert scene.waiter.state == GRANTED
+        token = fencing_token(0, kv.create_revision, 0)
+        assert scene.killed == [Evicted(b"holder", b"holder", False, token)]
+        assert scene.freed_on_b == [KILLED]  # B's watchers hear "killed", at the grant
+        assert scene.holder_entry not in scene.etcd.kvs
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_holders_node_cut_from_etcd_is_past_its_deadline_before_the_next_grant(
+    clock: trio.testing.MockClock, scene: Scene
+) -> None:
+    """A never hears of the kill: its entry stays, marked, at the head of K's queue
+    until etcd lapses A's lease (no earlier than TTL after A's last keepalive was
+    sent, here at 0); A stops confirming at its own deadline, before that."""
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        scene.run_loops(nursery)
+        nursery.start_soon(scene.kill_through_b)
+        await scene.settle()
+        confirmed_while_waiting = False
+        while trio.current_time() < start + TTL:
+            scene.check_never_two_holders()
+            assert scene.waiter.state == WAITING, "granted while A's lease is alive in etcd"
+            confirmed_while_waiting |= scene.a_confirms()
+            clock.jump(0.05)
+            await scene.settle()
+        assert confirmed_while_waiting  # A confirmed the hold for a while after the kill
+        # The kill answered after --etcd-timeout, the entry still there.
+        assert scene.killed is not None and len(scene.killed) == 1
+        assert scene.holder_entry in scene.etcd.kvs
+        scene.etcd.lapse(A_LEASE)
+        await scene.settle()
+        scene.check_never_two_holders()
+        assert scene.waiter.state == GRANTED
+        assert scene.freed_on_b == [KILLED]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_reloads_its_mirror_drops_and_acknowledges_what_was_killed(
+    clock: trio.testing.MockClock, scene: Scene
+) -> None:
+    """A missed the mark (its watch fell behind and it reloads every queue): the
+    reload finds its hold marked, drops it and deletes the entry."""
+    async with trio.open_nursery() as nursery:
+        scene.run_loops(nursery)
+        nursery.start_soon(scene.kill_through_b)
+        await scene.settle()
+        assert scene.waiter.state == WAITING and scene.a_confirms()
+        scene.etcd.mailboxes[id(scene.a)].clear()  # what the reload reads instead
+        scene.a.mirror.load(scene.etcd.revision, list(scene.etcd.kvs.values()))
+        scene.a.operators.drop_vanished()
+        assert not scene.a_confirms()
+        await scene.settle()
+        scene.check_never_two_holders()
+        assert scene.holder_entry not in scene.etcd.kvs
+        assert scene.waiter.state == GRANTED
+        nursery.cancel_scope.cancel()
