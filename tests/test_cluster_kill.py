@@ -18,7 +18,14 @@ import trio
 import trio.testing
 
 from elockd.backend.cluster.etcd.client import EtcdClient, Event
-from elockd.backend.cluster.layout import EXCLUSIVE, entry_value, parse_entry_value
+from elockd.backend.cluster.layout import (
+    EXCLUSIVE,
+    SHARED,
+    SessionRecord,
+    encode_record,
+    entry_value,
+    parse_entry_value,
+)
 from elockd.backend.cluster.mirror import GRANTED, WAITING, ClusterWaiter
 from elockd.backend.cluster.space import ClusterLockSpace
 from elockd.backend.cluster.tokens import fencing_token
@@ -39,25 +46,31 @@ def clock() -> trio.testing.MockClock:
 
 
 class Scene:
-    """Nodes A and B on one :class:`TxnEtcd`: A's session holds K, B's waits for it."""
+    """Nodes A and B on one :class:`TxnEtcd`: A's session holds K, B's waits for it.
+    Exclusive: ``lock K`` and ``lock K 30``; shared: ``sg K`` and ``lock_shared K 30
+    limit=1`` (the holder counts against the limit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: bytes) -> None:
+        self.kind = kind
         self.etcd = TxnEtcd()
         self.clients: list[EtcdClient] = []
         self.a, self.b = self.node(A_LEASE), self.node(B_LEASE)
         layout = self.a.layout
-        self.holder_entry = layout.entry(EXCLUSIVE, KEY, HOLDER_TAG)
-        held_at = self.etcd.put(self.holder_entry, entry_value(1, None, b"holder"), A_LEASE)
+        self.holder_entry = layout.entry(kind, KEY, HOLDER_TAG)
+        holder_limit = 0 if kind == SHARED else 1
+        held_at = self.etcd.put(
+            self.holder_entry, entry_value(holder_limit, None, b"holder"), A_LEASE
+        )
         self.holder = self.a.ledger.open_session("h" * 32, b"10.0.0.1:1")
         self.holder.tag = HOLDER_TAG
         self.a.ledger.by_tag[HOLDER_TAG] = self.holder
-        self.a.ledger.record_hold(self.holder, EXCLUSIVE, KEY, held_at, trio.current_time(), 0)
+        self.a.ledger.record_hold(self.holder, kind, KEY, held_at, trio.current_time(), 0)
         waiting_at = self.etcd.put(
-            layout.entry(EXCLUSIVE, KEY, WAITER_TAG), entry_value(1, None, b"waiter"), B_LEASE
+            layout.entry(kind, KEY, WAITER_TAG), entry_value(1, None, b"waiter"), B_LEASE
         )
         self.etcd.deliver(self.a)
         self.etcd.deliver(self.b)
-        self.waiter = ClusterWaiter([(EXCLUSIVE, KEY)], 1)
+        self.waiter = ClusterWaiter([(kind, KEY)], 1)
         self.waiter.revision = waiting_at
         self.b.mirror.add_waiter(self.waiter)
         self.connected: list[ClusterLockSpace] = [self.b]  # A's watch is not delivered
@@ -90,7 +103,10 @@ class Scene:
                     nursery.start_soon(loop)
 
     def a_confirms(self) -> bool:
-        """Does A still answer ``200 <token>`` to its client's ``token K``?"""
+        """Does A still answer ``200 <token>`` to its client's ``token K`` (shared:
+        does A's books still show the hold, within A's deadline)?"""
+        if self.kind == SHARED:
+            return not self.a.lease.past_deadline() and KEY in self.holder.shared
         return self.a.token(self.holder, KEY) is not None
 
     async def kill_through_b(self) -> None:
@@ -116,9 +132,9 @@ class Scene:
             await client.aclose()
 
 
-@pytest.fixture
-async def scene() -> AsyncIterator[Scene]:
-    built = Scene()
+@pytest.fixture(params=[EXCLUSIVE, SHARED], ids=["exclusive", "shared"])
+async def scene(request: pytest.FixtureRequest) -> AsyncIterator[Scene]:
+    built = Scene(request.param)
     yield built
     await built.aclose()
 
@@ -153,8 +169,9 @@ async def test_the_next_grant_waits_for_the_holders_node_to_acknowledge(
         scene.check_never_two_holders()
         assert confirmed_at_delete == [False], "A acknowledged before dropping the hold"
         assert scene.waiter.state == GRANTED
-        token = fencing_token(0, kv.create_revision, 0)
-        assert scene.killed == [Evicted(b"holder", b"holder", False, token)]
+        shared = scene.kind == SHARED
+        token = 0 if shared else fencing_token(0, kv.create_revision, 0)
+        assert scene.killed == [Evicted(b"holder", b"holder", shared, token)]
         assert scene.freed_on_b == [KILLED]  # B's watchers hear "killed", at the grant
         assert scene.holder_entry not in scene.etcd.kvs
         nursery.cancel_scope.cancel()
@@ -207,5 +224,52 @@ async def test_a_node_that_reloads_its_mirror_drops_and_acknowledges_what_was_ki
         await scene.settle()
         scene.check_never_two_holders()
         assert scene.holder_entry not in scene.etcd.kvs
+        assert scene.waiter.state == GRANTED
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_second_kill_of_a_revoked_hold_marks_nothing(
+    clock: trio.testing.MockClock, scene: Scene
+) -> None:
+    async with trio.open_nursery() as nursery:
+        scene.run_loops(nursery)
+        nursery.start_soon(scene.kill_through_b)
+        await scene.settle()
+        marked = scene.etcd.kvs[scene.holder_entry]
+        assert parse_entry_value(marked.value).killed
+        assert await scene.b.operators.kill(KEY) == []
+        assert scene.etcd.kvs[scene.holder_entry] == marked
+        assert scene.waiter.state == WAITING
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_takeover_of_the_killed_holders_session_leaves_the_mark_to_the_lease(
+    clock: trio.testing.MockClock, scene: Scene
+) -> None:
+    """The holder's client resumes its session on B (``conn_id``) while A is cut:
+    B takes none of the killed holds, and the marked entry stays on A's lease until
+    etcd lapses it (A may still answer the old connection until its deadline)."""
+    record = encode_record(SessionRecord("node-a", False, 0, HOLDER_TAG))
+    scene.etcd.put(scene.b.layout.session_record(scene.holder.id), record, A_LEASE)
+    async with trio.open_nursery() as nursery:
+        scene.run_loops(nursery)
+        nursery.start_soon(scene.kill_through_b)
+        await scene.settle()
+        current = scene.b.ledger.open_session("c" * 32, b"10.0.0.2:2")
+        taken = []
+
+        async def take_over() -> None:
+            taken.append(await scene.b.takeover.take_over(scene.holder.id, current))
+
+        nursery.start_soon(take_over)
+        await scene.settle()
+        assert taken and taken[0] is not None, "the session was not taken over"
+        assert scene.b.ledger.holds(taken[0]) == []
+        assert scene.etcd.kvs[scene.holder_entry].lease == A_LEASE
+        assert scene.waiter.state == WAITING
+        clock.jump(TTL)
+        scene.etcd.lapse(A_LEASE)
+        await scene.settle()
+        scene.check_never_two_holders()
         assert scene.waiter.state == GRANTED
         nursery.cancel_scope.cancel()

@@ -49,6 +49,7 @@ class TxnEtcd:
         self.spaces[id(space)] = space
         self.mailboxes[id(space)] = []
         space.calls.txn = self.txn  # type: ignore[method-assign, assignment]
+        space.calls.get = self.get  # type: ignore[method-assign]
 
     def deliver(self, space: ClusterLockSpace) -> None:
         """``space``'s watch brings every event waiting for it."""
@@ -89,6 +90,16 @@ class TxnEtcd:
         else:
             self.revision -= 1  # a read-only txn makes no revision
         return TxnResult(succeeded, self.revision, responses)
+
+    async def get(
+        self, key: bytes, range_end: bytes | None = None, *, sort_by_create: bool = False
+    ) -> tuple[int, list[KeyValue], int]:
+        """A range read: (revision, the keys, their count), by key or create revision."""
+        found = [
+            kv for k, kv in self.kvs.items() if k == key or (range_end and key <= k < range_end)
+        ]
+        found.sort(key=(lambda kv: kv.create_revision) if sort_by_create else (lambda kv: kv.key))
+        return self.revision, found, len(found)
 
     def _holds(self, compare: dict[str, Any]) -> bool:
         key = _bytes(compare["key"])

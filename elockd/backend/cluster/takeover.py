@@ -172,8 +172,9 @@ class Takeover:
         """Take over the entries of a session whose node is gone: those of requests
         that hold every lock they are in become holds here (a ``ttl`` restarts in
         full) and move onto this node's lease; the others are deleted, since their
-        requests died with the old connection, and so are the entries a ``kill``
-        marked (their deletion is the kill's acknowledgement: the old node is gone).
+        requests died with the old connection. An entry a ``kill`` marked is left
+        where it is, never held here: it goes with the old node's lease, by which
+        time the old node can no longer confirm it to anyone.
         Each move is guarded by our claim of the record and the entry's create
         revision: if the old node's lease ran out meanwhile, etcd has freed the
         entries, nothing moves, and the takeover fails."""
@@ -181,7 +182,6 @@ class Takeover:
         # Each request's entries (one revision; several keys for mlock), and
         # whether each holds its lock.
         requests: dict[int, list[tuple[EntryName, KeyValue, bool]]] = {}
-        killed: list[KeyValue] = []  # revoked by an operator: deleted, never held here
         for etcd_key, _ in self.mirror.entries_on(session.tag, old_lease):
             name = self.layout.parse_entry(etcd_key)
             if name is None:
@@ -195,16 +195,14 @@ class Takeover:
                 continue
             mine = kvs[position]
             if parse_entry_value(mine.value).killed:
-                killed.append(mine)
-                continue
+                continue  # revoked by an operator: it goes with the old node's lease
             holding = position == 0 if name.kind == EXCLUSIVE else mine in granted_kvs(kvs)
             requests.setdefault(mine.create_revision, []).append((name, mine, holding))
         kept = {r: es for r, es in requests.items() if all(holding for _, _, holding in es)}
         await self._move_entries(
             session,
             [kv for entries in kept.values() for _, kv, _ in entries],
-            [kv for r, entries in requests.items() if r not in kept for _, kv, _ in entries]
-            + killed,
+            [kv for r, entries in requests.items() if r not in kept for _, kv, _ in entries],
         )
         now = trio.current_time()
         for revision, entries in kept.items():
