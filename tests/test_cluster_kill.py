@@ -273,3 +273,27 @@ async def test_a_takeover_of_the_killed_holders_session_leaves_the_mark_to_the_l
         scene.check_never_two_holders()
         assert scene.waiter.state == GRANTED
         nursery.cancel_scope.cancel()
+
+
+async def test_a_kill_of_many_shared_holds_marks_a_hundred_a_txn_each_guard_current(
+    clock: trio.testing.MockClock,
+) -> None:
+    """151 shared holds (over etcd's operations per txn): two txns of marks, the
+    second guarded at the revision of the first (never refused for its marks)."""
+    scene = Scene(SHARED)
+    for tag in range(0x100, 0x100 + 150):
+        entry = scene.a.layout.entry(SHARED, KEY, tag)
+        scene.etcd.put(entry, entry_value(0, None, b"o%d" % tag), A_LEASE)
+    scene.connected.append(scene.a)
+    try:
+        async with trio.open_nursery() as nursery:
+            scene.run_loops(nursery)
+            await scene.settle()  # both nodes have the holds
+            nursery.start_soon(scene.kill_through_b)
+            await scene.settle()
+            assert scene.killed is not None and len(scene.killed) == 151
+            assert scene.etcd.refused == 0
+            assert scene.waiter.state == GRANTED and not scene.a_confirms()
+            nursery.cancel_scope.cancel()
+    finally:
+        await scene.aclose()

@@ -41,6 +41,7 @@ class TxnEtcd:
         self.kvs: dict[bytes, KeyValue] = {}
         self.mailboxes: dict[int, list[Event]] = {}
         self.spaces: dict[int, ClusterLockSpace] = {}
+        self.refused = 0  # txns whose compares failed
         #: Called with each revision's events as it commits (a test's probe).
         self.on_commit: Callable[[list[Event]], None] | None = None
 
@@ -82,6 +83,7 @@ class TxnEtcd:
         the operations on success and (``rest[0]``, if given) on failure."""
         failure: Sequence[dict[str, Any]] = rest[0] if rest else ()
         succeeded = all(self._holds(c) for c in compare)
+        self.refused += not succeeded
         self.revision += 1
         events: list[Event] = []
         responses = [self._op(op, events) for op in (success if succeeded else failure)]

@@ -163,7 +163,7 @@ def killed_value(value: bytes) -> bytes:
     create revision, same lease): its old value behind :data:`KILLED_MARK`. The entry
     keeps its place at the head of its queue, so nothing behind it is granted, until
     the node serving its session has dropped the hold and deletes the entry (its
-    acknowledgement), or etcd lapses that node's lease (docs/cluster.md, "kill").
+    acknowledgement), or etcd lapses that node's lease (docs/cluster.md, "An operator's kill").
     A node that predates the mark reads it as malformed: a held exclusive entry,
     which blocks (safe)."""
     return KILLED_MARK + value

@@ -27,7 +27,7 @@ its watch (:meth:`ClusterOperators.marked`), drops the hold from its books (the
 session sees the key as not held) and only then deletes the entry: that delete is
 its acknowledgement, and the next waiter is granted on it. A node cut from etcd
 never acknowledges; its entries go when etcd lapses its lease, after the node's own
-deadline has passed (docs/cluster.md, "kill on a cluster").
+deadline has passed (docs/cluster.md, "An operator's kill").
 """
 
 from __future__ import annotations
@@ -351,6 +351,9 @@ class ClusterOperators:
                 done.update(((e.etcd_key, e.revision), (k, e)) for k, e in chunk)
                 if len(held) <= KILLS_PER_TXN:
                     break
+                # The marks wrote into K's queues: the next txn's guard needs the
+                # mirror past them.
+                await self.reached(last)
                 continue
             failures += 1
             if failures == KILL_TRIES:
