@@ -24,6 +24,7 @@ from elockd.backend.cluster.layout import (
     SessionRecord,
     encode_record,
     entry_value,
+    killed_value,
     parse_entry_value,
 )
 from elockd.backend.cluster.mirror import GRANTED, WAITING, ClusterWaiter
@@ -294,6 +295,44 @@ async def test_a_kill_of_many_shared_holds_marks_a_hundred_a_txn_each_guard_curr
             assert scene.killed is not None and len(scene.killed) == 151
             assert scene.etcd.refused == 0
             assert scene.waiter.state == GRANTED and not scene.a_confirms()
+            nursery.cancel_scope.cancel()
+    finally:
+        await scene.aclose()
+
+
+@pytest.mark.parametrize("wait", [0.0, 5.0], ids=["try", "wait"])
+async def test_a_grant_whose_entry_was_killed_before_the_answer_is_not_given(
+    clock: trio.testing.MockClock, wait: float
+) -> None:
+    """A's watch brings a kill's mark of a new entry (B saw it hold and killed it)
+    before A acts on its enqueue txn's answer: A acknowledges the kill, so the
+    request must not be granted (``lock j``: refused; ``lock j 5``: not granted)."""
+    scene = Scene(EXCLUSIVE)
+    scene.connected.append(scene.a)
+    queue = scene.a.layout.queue_prefix(EXCLUSIVE, b"j")
+    marked: list[bytes] = []
+
+    def killed_at_once(events: list[Event]) -> None:
+        for event in events:
+            kv = event.kv
+            if event.type == "PUT" and kv.key.startswith(queue) and not marked:
+                marked.append(kv.key)
+                scene.etcd.put(kv.key, killed_value(kv.value), A_LEASE)
+                scene.etcd.deliver(scene.a)
+
+    scene.etcd.on_commit = killed_at_once
+    session = scene.a.ledger.open_session("s" * 32, b"10.0.0.3:3")
+    try:
+        async with trio.open_nursery() as nursery:
+            scene.run_loops(nursery)
+            grant = await scene.a.recipe.acquire(
+                session, EXCLUSIVE, [b"j"], limit=1, ttl=None, wait=wait
+            )
+            await scene.settle()
+            assert marked, "the request's entry was never written"
+            assert not grant.granted
+            assert scene.a.token(session, b"j") is None
+            assert not any(key.startswith(queue) for key in scene.etcd.kvs)
             nursery.cancel_scope.cancel()
     finally:
         await scene.aclose()

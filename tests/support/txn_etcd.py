@@ -87,11 +87,12 @@ class TxnEtcd:
         self.revision += 1
         events: list[Event] = []
         responses = [self._op(op, events) for op in (success if succeeded else failure)]
+        if not events:
+            self.revision -= 1  # a read-only txn makes no revision
+        revision = self.revision  # (a probe may commit more before the answer)
         if events:
             self._commit(events)
-        else:
-            self.revision -= 1  # a read-only txn makes no revision
-        return TxnResult(succeeded, self.revision, responses)
+        return TxnResult(succeeded, revision, responses)
 
     async def get(
         self, key: bytes, range_end: bytes | None = None, *, sort_by_create: bool = False

@@ -195,6 +195,8 @@ class LockRecipe:
         )
         if holds_now and kind == SHARED and limit:
             holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
+        if holds_now and self._revoked(entries, revision):
+            holds_now = False  # the wait (or the refusal) below takes its entries out
         if holds_now:
             grant = self._granted(session, kind, keys, revision, ttl, now, ranks, waited=False)
             if holders is not None:
@@ -232,22 +234,31 @@ class LockRecipe:
             ranks=ranks_taken,
         )
         now = trio.current_time()
+        heads = (
+            []
+            if result.succeeded
+            else [result.kvs(i)[0] if result.kvs(i) else None for i in range(len(keys))]
+        )
         if result.succeeded:
             revision = result.revision
-            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, ranks, waited=False)
-        heads = [result.kvs(i)[0] if result.kvs(i) else None for i in range(len(keys))]
-        if all(
+        elif all(
             h is not None and h.key == e and h.create_revision > start
             for h, e in zip(heads, entries, strict=True)
         ):
             # An earlier attempt of this very txn committed before its answer was
             # lost (the client retried): the entries are ours and at the head.
             revision = heads[0].create_revision if heads[0] is not None else 0
-            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, ranks, waited=False)
-        blocked = [
-            k for k, h, e in zip(keys, heads, entries, strict=True) if h is not None and h.key != e
-        ]
-        return Grant(False, blocked=blocked)
+        else:
+            blocked = [
+                k
+                for k, h, e in zip(keys, heads, entries, strict=True)
+                if h is not None and h.key != e
+            ]
+            return Grant(False, blocked=blocked)
+        if self._revoked(entries, revision):
+            await self.records.delete_entries(session, [(e, revision) for e in entries])
+            return Grant(False, blocked=list(keys))
+        return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, ranks, waited=False)
 
     async def _enqueue(
         self,
@@ -407,6 +418,17 @@ class LockRecipe:
             if found.killed:
                 return False
         return True
+
+    def _revoked(self, entries: list[bytes], revision: int) -> bool:
+        """Did an operator's ``kill`` mark an entry of this request before its grant
+        was given (the node's watch brought the mark before the txn's answer was
+        acted on)? This node acknowledges the kill by deleting the entry, after
+        which another node may grant the key: the grant is not given."""
+        for etcd_key in entries:
+            found = self.mirror.entry(etcd_key)
+            if found is not None and found.revision == revision and found.killed:
+                return True
+        return False
 
     def _held_by_other(self, session: ClusterSession, key: bytes) -> bool:
         queue = self.mirror.queues.get((EXCLUSIVE, key))
