@@ -365,11 +365,12 @@ class QueueMirror:
         self._why[(etcd_key, revision)] = why
 
     def why(self, entry: Entry) -> bytes:
-        """Why a hold went, as this node can tell: named by a ``kill`` in the same
-        revision (on every node); else as this node said when it freed it; else
-        (another node freed it) ``orphaned`` when a session record went in the
-        same revision (a session ended, or a node's lease ran out), ``released``
-        otherwise (docs/cluster.md, "Operators on a cluster")."""
+        """Why a hold went, as this node can tell: marked by a ``kill`` (on every
+        node), or named by one in the same revision (an older node's kill); else
+        as this node said when it freed it; else (another node freed it)
+        ``orphaned`` when a session record went in the same revision (a session
+        ended, or a node's lease ran out), ``released`` otherwise (docs/cluster.md,
+        "Operators on a cluster")."""
         why = self._why.pop((entry.etcd_key, entry.revision), None)
         if entry.killed or entry.etcd_key in self._killed_now:
             return KILLED
@@ -378,9 +379,9 @@ class QueueMirror:
         return ORPHANED if self._record_gone else RELEASED
 
     def _settle(self) -> None:
-        """The revision just applied is complete: report the holds it ended (in the
-        order their deletes came) and those it began; then the holds a kill
-        marked in it."""
+        """The revision just applied is complete: report the holds a kill marked in
+        it (first: their node drops them before anything else is told), then the
+        holds it ended (in the order their deletes came) and those it began."""
         if self._marked:
             marked, self._marked = self._marked, []
             if self.on_killed is not None:
