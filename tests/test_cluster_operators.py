@@ -170,7 +170,8 @@ async def test_two_nodes_watch_list_and_kill_across_each_other(
     nodes: Nodes, tmp_path: Path
 ) -> None:
     """A watcher on A hears what is done through B, in revision order; a kill through
-    A evicts B's holder (its ``token`` then 403) and B's waiter gets a larger token;
+    A evicts B's holder (its ``token`` 403 by the time anyone else is granted) and
+    B's waiter gets a larger token;
     ``ls`` on either node lists the keys held through both."""
     admin_file = tmp_path / "admin"
     admin_file.write_text("op-token\n")
@@ -219,11 +220,8 @@ async def test_two_nodes_watch_list_and_kill_across_each_other(
     assert await next_bee.line() == b"200 Acquired\r\n"
     next_token = int((await next_bee.request(b"token j/x"))[4:])
     assert next_token > killed
-
-    async def evicted() -> bool:
-        return await bee.request(b"token j/x") == b"403 Not Locked"
-
-    await eventually(evicted, what="B drops the killed hold")
+    # B dropped the hold before it let the entry go: no window with two holders.
+    assert await bee.request(b"token j/x") == b"403 Not Locked"
     assert await bee.request(b"unlock j/x") == b"403 Not Locked"
     assert await bee.request(b"unlock_shared j/s") == b"200 0"
     expected = [

@@ -27,6 +27,7 @@ from tests.support.partition_runs import (
     clients_cut,
     describe,
     flapping,
+    kill_cut,
     leader_isolated,
     long_cut,
     node_cut,
@@ -119,3 +120,23 @@ def test_a_stale_watch_never_grants_from_the_past(partition_lab: Lab, mode: str)
     for number in range(3 if STRESS else 1):
         outcome, _ = check_run(partition_lab, stale_watch(mode, TTL), seed=number + 1)
         assert any(h.client == "b-waiter" for h in outcome.holds), "B's waiter never got X"
+
+
+def test_a_kill_of_a_cut_nodes_hold_grants_nothing_while_that_node_confirms(
+    partition_lab: Lab,
+) -> None:
+    """(g) A's client holds x0 and B's waits; A is cut from etcd; an operator kills
+    x0 through B. B's ``200 Acquired`` comes after A's last ``200`` to ``token x0``."""
+    for number in range(2 if STRESS else 1):
+        outcome, _ = check_run(partition_lab, kill_cut("loss", TTL), seed=number + 1)
+        holder = next(h for h in outcome.holds if h.client == "a-holder")
+        waiter = next((h for h in outcome.holds if h.client == "b-waiter"), None)
+        assert waiter is not None, "B's waiter never got x0"
+        killed = [at for at, what in outcome.cuts if what.startswith("kill x0")]
+        assert killed and any(what == "kill answered '200 Killed 1'" for _, what in outcome.cuts)
+        assert holder.confirmed[-1] > killed[0], "A confirmed nothing after the kill"
+        assert waiter.granted > holder.end, "B granted x0 while A still confirmed it"
+        print(
+            f"A confirmed x0 until {holder.end - killed[0]:+.3f} s after the kill; "
+            f"B granted it at {waiter.granted - killed[0]:+.3f} s"
+        )

@@ -48,9 +48,9 @@ class Truth:
     The test takes only exclusive single-key locks, so the rule is short: the entry
     that heads its queue holds. A queue whose head changed in a revision freed the
     old head (in the order of the deletes) and granted the new one (by key), as
-    the contract orders events within one revision. A free is ``killed`` when the
-    revision wrote the kill marker naming the entry, else ``released`` (the
-    test's sessions all live on)."""
+    the contract orders events within one revision. A free is ``killed`` when a
+    kill marked the entry (or the revision wrote the kill marker naming it), else
+    ``released`` (the test's sessions all live on)."""
 
     layout: Layout
     floor: int
@@ -85,8 +85,11 @@ class Truth:
             if event.type == "DELETE":
                 head = before[name.key]
                 if head is not None and head[0] == event.kv.key and event.kv.key in entries:
-                    owner = parse_entry_value(head[2]).owner
-                    why = KILLED if event.kv.key in killed else RELEASED
+                    value = parse_entry_value(head[2])
+                    # Marked by a kill (then deleted by its node, or its lease
+                    # lapsed), or deleted in the kill's own revision (older nodes).
+                    why = KILLED if value.killed or event.kv.key in killed else RELEASED
+                    owner = value.owner
                     frees.append(free_line(name.key, owner, False, 0, why))
                 entries.pop(event.kv.key, None)
             else:

@@ -370,6 +370,20 @@ class Run:
         except GONE:
             self.note("<closed>")
 
+    async def kill(self, node: str, key: str, admin_token: str) -> None:
+        """An operator's ``kill key`` through ``node``; its reply and when it came
+        go into the run's timeline (``cuts``)."""
+        line = await self.connect(node)
+        try:
+            assert await line.request(f"auth {admin_token}") == "200 OK"
+            sent = time.monotonic()
+            self.outcome.cuts.append((sent, f"kill {key} through {node.upper()}"))
+            reply = await line.request(f"kill {key}")
+            self.outcome.cuts.append((time.monotonic(), f"kill answered {reply!r}"))
+            self.note(reply)
+        finally:
+            await line.stream.aclose()
+
     async def cut(self, what: str, action: Callable[[], None]) -> None:
         await trio.to_thread.run_sync(action)
         self.outcome.cuts.append((time.monotonic(), what))

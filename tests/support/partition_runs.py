@@ -49,6 +49,11 @@ class Scenario:
     script: Callable[[Lab, Run, random.Random], Awaitable[None]]
     contenders: bool = True
     via_proxy: bool = False
+    #: The nodes take ``--admin-token-file`` with :data:`ADMIN_TOKEN` (``kill``).
+    admin: bool = False
+
+
+ADMIN_TOKEN = "partition-admin"
 
 
 def node_cut(mode: str, ttl: int) -> Scenario:
@@ -170,10 +175,54 @@ def stale_watch(mode: str, ttl: int) -> Scenario:
     return Scenario(f"stale watch ({mode})", script, contenders=False, via_proxy=mode == "delay")
 
 
+def kill_cut(mode: str, ttl: int) -> Scenario:
+    """(g) A's client holds x0 and polls ``token x0``; B's client waits for x0; A is
+    cut from etcd; 0.15 TTL later an operator kills x0 through B. B's waiter must be
+    granted only once A can no longer confirm the hold: after A's last ``200`` to
+    ``token x0``, though etcd never hears from A again."""
+
+    async def script(lab: Lab, run: Run, rng: random.Random) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(run.wait_then_hold, "a-holder", "a", "x0", 0.5 * ttl)
+            )
+            if await run.a_holds() is None:
+                run.outcome.problems.append("a-holder never got x0")
+                nursery.cancel_scope.cancel()
+                return
+            queued = trio.Event()
+            chase = functools.partial(
+                run.wait_then_hold, "b-waiter", "b", "x0", 0.5, through_cuts=False, queued=queued
+            )
+            nursery.start_soon(chase)
+            await queued.wait()
+            await trio.sleep(0.3)  # its ``lock`` is in etcd's queue by now
+            await run.cut(f"A cut from etcd ({mode})", lambda: lab.cut_node_from_etcd("a", mode))
+            await trio.sleep(0.15 * ttl)
+            await run.kill("b", "x0", ADMIN_TOKEN)
+            # Past etcd's expiry of A's lease, and B's waiter granted after it.
+            await trio.sleep(ttl + 2.0)
+            await run.cut("healed", lab.heal)
+            await trio.sleep(pace(ttl))
+            nursery.cancel_scope.cancel()
+
+    return Scenario(
+        f"kill through B of a cut node's hold ({mode})",
+        script,
+        contenders=False,
+        via_proxy=mode == "delay",
+        admin=True,
+    )
+
+
 def run_scenario(lab: Lab, scenario: Scenario, *, ttl: int = 5, seed: int = 1) -> Outcome:
     """Fresh nodes A and B on a fresh prefix, the scenario, then its outcome."""
     prefix = f"/partition-{uuid.uuid4().hex[:10]}/"
-    flags = ("--etcd-prefix", prefix, "--session-ttl", str(ttl))
+    flags: tuple[str, ...] = ("--etcd-prefix", prefix, "--session-ttl", str(ttl))
+    if scenario.admin:
+        token_file = lab.base / "admin-token"
+        token_file.write_text(ADMIN_TOKEN + "\n")
+        flags += ("--admin-token-file", str(token_file))
     outcome = Outcome(scenario.name)
     try:
         # Both at once: each start waits for its node to reach etcd.
@@ -319,6 +368,7 @@ def scenario_named(name: str, mode: str, ttl: int, seconds: float) -> Scenario:
         "flapping": lambda: flapping(seconds, ttl),
         "long-cut": lambda: long_cut(seconds, ttl),
         "stale-watch": lambda: stale_watch(mode, ttl),
+        "kill-cut": lambda: kill_cut(mode, ttl),
     }[name]()
 
 
@@ -329,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "scenario",
         choices=[
-            "node-cut", "clients-cut", "leader", "flapping", "long-cut", "stale-watch", "pre-vote",
+            "node-cut", "clients-cut", "leader", "flapping", "long-cut", "stale-watch", "kill-cut",
+            "pre-vote",
         ],
     )  # fmt: skip
     parser.add_argument("--mode", default="loss", help="loss, down, delay, or a,b,c in turn")

@@ -13,8 +13,8 @@
 ``<root>meta/token_floor``
     added to every etcd revision to make a fencing token (see :mod:`.ledger`);
 ``<root>meta/killed``
-    written by each ``kill K`` in the txn that deletes the holds, naming their
-    entries: so every node's watchers hear of them as ``killed`` (:mod:`.operators`);
+    written by each ``kill K`` in the txn that marks the holds killed (their entries
+    rewritten in place, :func:`killed_value`), naming their entries (:mod:`.operators`);
 ``<root>t/tat/<hex key>``
     a throttle key's TAT on the wall clock and the node that wrote it
     (:func:`tat_value`), bound to no lease (a rate outlives the node that admitted);
@@ -34,7 +34,7 @@ carries too.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 EXCLUSIVE = b"x"
 SHARED = b"s"
@@ -153,6 +153,22 @@ def entry_value(
     return b" ".join([flag, *fields, owner])
 
 
+#: The word before an entry's value once an operator's ``kill`` has revoked its
+#: hold (:func:`killed_value`).
+KILLED_MARK = b"k "
+
+
+def killed_value(value: bytes) -> bytes:
+    """The value a ``kill`` rewrites a holding entry with, in place (same key, same
+    create revision, same lease): its old value behind :data:`KILLED_MARK`. The entry
+    keeps its place at the head of its queue, so nothing behind it is granted, until
+    the node serving its session has dropped the hold and deletes the entry (its
+    acknowledgement), or etcd lapses that node's lease (docs/cluster.md, "An operator's kill").
+    A node that predates the mark reads it as malformed: a held exclusive entry,
+    which blocks (safe)."""
+    return KILLED_MARK + value
+
+
 @dataclass(frozen=True, slots=True)
 class EntryValue:
     held: bool
@@ -162,11 +178,30 @@ class EntryValue:
     rank: int = 0
     peer: bytes = b""  # the holder's address ("" in values written without one)
     at: float | None = None  # wall-clock time of the write (None: not written)
+    killed: bool = False  # revoked by a kill, not yet acknowledged (killed_value)
+
+
+def encode_entry_value(
+    value: EntryValue, *, owner: bytes | None = None, peer: bytes | None = None
+) -> bytes:
+    """``value`` written again (:func:`entry_value`), with another owner or address
+    if given; the kill mark is not kept (:func:`killed_value` adds it)."""
+    return entry_value(
+        value.limit,
+        value.ttl,
+        value.owner if owner is None else owner,
+        held=value.held,
+        rank=value.rank,
+        peer=value.peer if peer is None else peer,
+        at=value.at,
+    )
 
 
 def parse_entry_value(value: bytes) -> EntryValue:
     """The parts of an entry value. A malformed one reads as a held exclusive entry
     with no owner: it then blocks others (safe), never lets them through."""
+    if value.startswith(KILLED_MARK):
+        return replace(parse_entry_value(value[len(KILLED_MARK) :]), killed=True)
     flag, _, rank = value.split(b" ", 1)[0].partition(b":")
     with_peer = flag in (b"W", b"H")
     parts = value.split(b" ", 4 if with_peer else 3)

@@ -52,6 +52,7 @@ class Entry:
         "etcd_key",
         "held",
         "holding",
+        "killed",
         "lease",
         "limit",
         "owner",
@@ -77,6 +78,9 @@ class Entry:
         self.peer = value.peer
         self.rank = value.rank
         self.at = value.at  # wall-clock time of its write, if its node wrote one
+        #: Revoked by an operator's ``kill``: it keeps its place (and blocks those
+        #: behind it) until its node deletes it or its lease runs out.
+        self.killed = value.killed
         #: Whether the mirror has reported it holding (see QueueMirror.on_changes),
         #: and since when (wall clock): what ``ls`` and ``watch`` show.
         self.holding = False
@@ -259,6 +263,11 @@ class QueueMirror:
         self._changed: set[QueueId] = set()
         self._gone: list[tuple[QueueId, Entry, int]] = []
         self._killed_now: set[bytes] = set()  # entries a kill names in this revision
+        self._marked: list[tuple[QueueId, Entry]] = []  # entries a kill marked in it
+        #: Told, after each revision, of the holding entries a ``kill`` marked in it
+        #: (:func:`~.layout.killed_value`): their node drops the holds and
+        #: acknowledges (see .operators).
+        self.on_killed: Callable[[list[tuple[QueueId, Entry]]], None] | None = None
         self._record_gone = False  # a session record was deleted in this revision
         #: Why this node freed an entry, by (etcd key, create revision), from when
         #: it sends the delete until the mirror sees it (:meth:`freeing`).
@@ -288,6 +297,7 @@ class QueueMirror:
         self.names = KeyIndex()
         self._changed.clear()
         self._gone.clear()
+        self._marked.clear()  # what a reload finds marked, .operators looks for
         self.revision = revision
         for kv in kvs:
             if self.throttles.owns(kv.key):
@@ -355,21 +365,27 @@ class QueueMirror:
         self._why[(etcd_key, revision)] = why
 
     def why(self, entry: Entry) -> bytes:
-        """Why a hold went, as this node can tell: named by a ``kill`` in the same
-        revision (on every node); else as this node said when it freed it; else
-        (another node freed it) ``orphaned`` when a session record went in the
-        same revision (a session ended, or a node's lease ran out), ``released``
-        otherwise (docs/cluster.md, "Operators on a cluster")."""
+        """Why a hold went, as this node can tell: marked by a ``kill`` (on every
+        node), or named by one in the same revision (an older node's kill); else
+        as this node said when it freed it; else (another node freed it)
+        ``orphaned`` when a session record went in the same revision (a session
+        ended, or a node's lease ran out), ``released`` otherwise (docs/cluster.md,
+        "Operators on a cluster")."""
         why = self._why.pop((entry.etcd_key, entry.revision), None)
-        if entry.etcd_key in self._killed_now:
+        if entry.killed or entry.etcd_key in self._killed_now:
             return KILLED
         if why is not None:
             return why
         return ORPHANED if self._record_gone else RELEASED
 
     def _settle(self) -> None:
-        """The revision just applied is complete: report the holds it ended (in the
-        order their deletes came) and those it began."""
+        """The revision just applied is complete: report the holds a kill marked in
+        it (first: their node drops them before anything else is told), then the
+        holds it ended (in the order their deletes came) and those it began."""
+        if self._marked:
+            marked, self._marked = self._marked, []
+            if self.on_killed is not None:
+                self.on_killed(marked)
         if not self._changed and not self._gone:
             self._killed_now.clear()
             self._record_gone = False
@@ -501,6 +517,8 @@ class QueueMirror:
         old = queue.add(entry)
         if old is not None:
             self._unbind(old)
+            if entry.killed and not old.killed and old.holding:
+                self._marked.append((name.queue, entry))
         self._bind(entry)
         if shared:
             self.shared_holding += entry.holds_shared - (old is not None and old.holds_shared)

@@ -18,26 +18,38 @@ the books are left alone: the successor goes on from the revision the watchers h
 reached (:meth:`ClusterOperators.freeze`), and a failed hand-over sends the lines
 held back and drops what was freed meanwhile (:meth:`ClusterOperators.thaw`).
 
-``kill K`` is one etcd txn (:meth:`ClusterOperators.kill`): it deletes K's holding
-entries, each guarded by its create revision, and writes ``<root>meta/killed``
-naming them, so that every node's watchers hear ``killed``.
+``kill K`` is one etcd txn (:meth:`ClusterOperators.kill`): it does not delete K's
+holding entries but rewrites each in place, marked killed (:func:`.layout.killed_value`,
+guarded by its create revision, on the lease it had), and writes ``<root>meta/killed``
+naming them. A marked entry keeps its place at the head of its queue, so no node
+grants the key behind it yet. The node whose lease it is on sees the mark through
+its watch (:meth:`ClusterOperators.marked`), drops the hold from its books (the
+session sees the key as not held) and only then deletes the entry: that delete is
+its acknowledgement, and the next waiter is granted on it. A node cut from etcd
+never acknowledges; its entries go when etcd lapses its lease, after the node's own
+deadline has passed (docs/cluster.md, "An operator's kill").
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import trio
 
-from elockd.backend.cluster.calls import EtcdCalls
 from elockd.backend.cluster.etcd.client import (
     compare_create,
     compare_mod,
-    delete_op,
     prefix_end,
     put_op,
 )
-from elockd.backend.cluster.layout import EXCLUSIVE, SHARED, Layout
+from elockd.backend.cluster.layout import (
+    EXCLUSIVE,
+    SHARED,
+    EntryValue,
+    encode_entry_value,
+    killed_value,
+)
 from elockd.backend.cluster.ledger import ClusterHold, Ledger
 from elockd.backend.cluster.mirror import (
     ClusterWaiter,
@@ -45,8 +57,10 @@ from elockd.backend.cluster.mirror import (
     Freed,
     Granted,
     Queue,
+    QueueId,
     QueueMirror,
 )
+from elockd.backend.cluster.records import SessionRecords
 from elockd.backend.cluster.tokens import fencing_token
 from elockd.backend.interface import BackendUnavailable, Evicted, KeyRow, KeyRows
 from elockd.backend.rows import rows_in_batches
@@ -69,9 +83,17 @@ KILL_TRIES = 16
 class ClusterOperators:
     """The operators' view of a cluster node: see the module docstring."""
 
-    def __init__(self, calls: EtcdCalls, ledger: Ledger, layout: Layout, mirror: QueueMirror):
-        self.calls, self.ledger, self.layout, self.mirror = calls, ledger, layout, mirror
+    def __init__(self, ledger: Ledger, mirror: QueueMirror, records: SessionRecords) -> None:
+        self.ledger, self.mirror, self.records = ledger, mirror, records
+        self.calls, self.layout = records.calls, records.layout
         mirror.on_changes = self.changed
+        mirror.on_killed = self.marked
+        #: Killed entries on this node's lease whose holds are dropped here, to be
+        #: deleted (the acknowledgement), by (etcd key, create revision).
+        self.acks: list[tuple[bytes, int]] = []
+        self._ack_wanted = trio.Event()
+        #: The entries each ``kill`` running here waits to see go, and its wake-up.
+        self._kills: list[tuple[set[tuple[bytes, int]], trio.Event]] = []
         #: Lines held back while a hand-over copies the books: (key, line).
         self.held_back: list[tuple[bytes, bytes]] = []
         #: The revision this node's watchers had reached when the books were frozen:
@@ -85,6 +107,8 @@ class ClusterOperators:
         if not self.calls.frozen:
             for queue_id, entry, _, why in freed:
                 self._evicted(queue_id[0], queue_id[1], entry, why)
+        if self._kills:
+            self._kills_see(freed)
         watchers = self.ledger.watchers
         if not watchers.active:
             return
@@ -127,11 +151,45 @@ class ClusterOperators:
             "killed by an operator" if why == KILLED else f"{why.decode()} elsewhere",
         )
 
+    def marked(self, entries: list[tuple[QueueId, Entry]]) -> None:
+        """Holding entries a ``kill`` marked in a revision (the mirror's hook): a hold
+        of this node's is dropped from the books, and then, the session no longer
+        holding it here, the entry on this node's lease is deleted (the
+        acknowledgement that lets the next waiter in). While a hand-over copies the
+        books nothing happens here: whoever serves next finds the marks
+        (:meth:`drop_vanished`)."""
+        if self.calls.frozen or self.calls.handed_over:
+            return
+        lease = self.records.lease.id
+        for (kind, key), entry in entries:
+            self._evicted(kind, key, entry, KILLED)
+            if lease and entry.lease == lease:
+                self._acknowledge(entry)
+
+    def _acknowledge(self, entry: Entry) -> None:
+        self.acks.append((entry.etcd_key, entry.revision))
+        self._ack_wanted.set()
+
+    async def send_acks(self) -> None:
+        """A loop of the node's: delete the killed entries whose holds were dropped
+        here, each guarded by its create revision and this node's lease. One etcd
+        refuses is left to the stray sweep (no hold owns it), at its next round."""
+        while True:
+            await self._ack_wanted.wait()
+            self._ack_wanted = trio.Event()
+            acks, self.acks = self.acks, []
+            try:
+                await self.records.delete_entries(None, acks)
+            except BackendUnavailable:
+                log.warning("killed entries not deleted (%d): the sweep deletes them", len(acks))
+
     def drop_vanished(self) -> None:
         """After the mirror was loaded afresh (or a hand-over froze it): drop every
-        hold of this node whose entry the mirror, at its revision, no longer has:
-        freed while nobody here was told (a kill, while the watch fell behind)."""
+        hold of this node whose entry the mirror, at its revision, no longer has
+        (freed while nobody here was told: a lease lapse, a watch that fell behind),
+        or has marked killed; the latter are then acknowledged (:meth:`marked`)."""
         mirror, now = self.mirror, trio.current_time()
+        lease = self.records.lease.id
         for session in list(self.ledger.sessions.values()):
             if not session.tag or session.lost:
                 continue
@@ -140,15 +198,19 @@ class ClusterOperators:
                     continue  # granted from a txn the mirror has not reached yet
                 kind = SHARED if hold.shared else EXCLUSIVE
                 entry = mirror.entry(self.layout.entry(kind, hold.key, session.tag))
-                if entry is None or entry.revision != hold.revision:
-                    self.ledger.drop(hold, now)
-                    evicted_log(
-                        "hold on %r of %s (tag %d) gone from etcd while the node was "
-                        "not watching: the session no longer holds it",
-                        hold.key[:200],
-                        shown(session.peer),
-                        session.tag,
-                    )
+                if entry is not None and entry.revision == hold.revision and not entry.killed:
+                    continue
+                self.ledger.drop(hold, now)
+                evicted_log(
+                    "hold on %r of %s (tag %d) %s while the node was not watching: the "
+                    "session no longer holds it",
+                    hold.key[:200],
+                    shown(session.peer),
+                    session.tag,
+                    "killed by an operator" if entry is not None else "gone from etcd",
+                )
+                if entry is not None and lease and entry.lease == lease:
+                    self._acknowledge(entry)
 
     # ------------------------------------------------------------ hand-over
 
@@ -252,18 +314,28 @@ class ClusterOperators:
     # ---------------------------------------------------------------- kill
 
     async def kill(self, key: bytes) -> list[Evicted]:
-        """Delete every hold on ``key`` in one txn (a hundred at a time beyond that):
-        the holding entries the mirror shows, each only if still the one created
-        at its revision, and only if no entry of the key was written since the
-        mirror's revision (else the mirror is let catch up and it is tried again).
-        A key with no hold costs one read-only txn, which proves it. Answers once
-        this node's mirror has the deletes: its own watchers and holders have heard
-        of them by then."""
+        """Mark every hold on ``key`` killed in one txn (a hundred at a time beyond
+        that): the holding entries the mirror shows that no kill marked yet, each
+        rewritten in place only if still the one created at its revision, and only
+        if no entry of the key was written since the mirror's revision (else the
+        mirror is let catch up and it is tried again). A key with no such hold costs
+        one read-only txn, which proves it.
+
+        Answers once the marked entries are gone from this node's mirror (their
+        nodes acknowledged, or etcd lapsed their leases), or ``--etcd-timeout``
+        after the mirror has the marks, whichever comes first: the holds are revoked
+        either way (their nodes no longer confirm them, or are past their deadline
+        by the time etcd lets the key go), and the key is granted to its next waiter
+        as soon as they are gone."""
         queues = [self.layout.queue_prefix(kind, key) for kind in (EXCLUSIVE, SHARED)]
         done: dict[tuple[bytes, int], tuple[bytes, Entry]] = {}
         last = failures = 0
         while True:
-            held = [(k, e) for k, e in self.held(key) if (e.etcd_key, e.revision) not in done]
+            held = [
+                (k, e)
+                for k, e in self.held(key)
+                if not e.killed and (e.etcd_key, e.revision) not in done
+            ]
             chunk = held[:KILLS_PER_TXN]
             since = self.mirror.revision
             compares = [compare_mod(q, "<", since + 1, prefix_end(q)) for q in queues]
@@ -272,13 +344,16 @@ class ClusterOperators:
             if chunk:
                 named = b"\n".join(e.etcd_key for _, e in chunk)
                 ops = [put_op(self.layout.killed, named)]
-                ops += [delete_op(e.etcd_key) for _, e in chunk]
+                ops += [put_op(e.etcd_key, marked_value(e), ignore_lease=True) for _, e in chunk]
             result = await self.calls.txn(compares, ops)
             if result.succeeded:
                 last = result.revision
                 done.update(((e.etcd_key, e.revision), (k, e)) for k, e in chunk)
                 if len(held) <= KILLS_PER_TXN:
                     break
+                # The marks wrote into K's queues: the next txn's guard needs the
+                # mirror past them.
+                await self.reached(last)
                 continue
             failures += 1
             if failures == KILL_TRIES:
@@ -287,10 +362,44 @@ class ClusterOperators:
         self.ledger.killed += len(done)
         if done:
             await self.reached(last)
+            await self._until_gone(list(done))
         return [
             Evicted(e.owner, e.peer, kind == SHARED, 0 if kind == SHARED else self.token(e))
             for kind, e in done.values()
         ]
+
+    async def _until_gone(self, entries: list[tuple[bytes, int]]) -> None:
+        """Wait until the mirror no longer has ``entries`` (each an etcd key and its
+        create revision), or ``--etcd-timeout``."""
+        left = set()
+        for etcd_key, revision in entries:
+            entry = self.mirror.entry(etcd_key)
+            if entry is not None and entry.revision == revision:
+                left.add((etcd_key, revision))
+        if not left:
+            return
+        gone = trio.Event()
+        waiting = (left, gone)
+        self._kills.append(waiting)
+        try:
+            with trio.move_on_after(self.calls.deadline):
+                await gone.wait()
+        finally:
+            self._kills.remove(waiting)
+
+    def _kills_see(self, freed: list[Freed]) -> None:
+        for _, entry, _, _ in freed:
+            for left, gone in self._kills:
+                left.discard((entry.etcd_key, entry.revision))
+                if not left:
+                    gone.set()
+
+
+def marked_value(entry: Entry) -> bytes:
+    """The value a kill writes over a holding entry: the one it has, as the mirror
+    read it (an address-less value gains its owner as address), marked killed."""
+    value = EntryValue(entry.held, entry.limit, entry.ttl, entry.owner, entry.rank, entry.peer)
+    return killed_value(encode_entry_value(replace(value, at=entry.at)))
 
 
 async def mirror_reaches(mirror: QueueMirror, revision: int, timeout: float) -> None:

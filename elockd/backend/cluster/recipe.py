@@ -42,6 +42,7 @@ from elockd.backend.cluster.layout import (
     EXCLUSIVE,
     SHARED,
     Layout,
+    encode_entry_value,
     entry_value,
     parse_entry_value,
 )
@@ -194,6 +195,8 @@ class LockRecipe:
         )
         if holds_now and kind == SHARED and limit:
             holds_now = await self._mark_held(entries[0], revision, limit, ttl, session)
+        if holds_now and self._revoked(entries, revision):
+            holds_now = False  # the wait (or the refusal) below takes its entries out
         if holds_now:
             grant = self._granted(session, kind, keys, revision, ttl, now, ranks, waited=False)
             if holders is not None:
@@ -231,22 +234,31 @@ class LockRecipe:
             ranks=ranks_taken,
         )
         now = trio.current_time()
+        heads = (
+            []
+            if result.succeeded
+            else [result.kvs(i)[0] if result.kvs(i) else None for i in range(len(keys))]
+        )
         if result.succeeded:
             revision = result.revision
-            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, ranks, waited=False)
-        heads = [result.kvs(i)[0] if result.kvs(i) else None for i in range(len(keys))]
-        if all(
+        elif all(
             h is not None and h.key == e and h.create_revision > start
             for h, e in zip(heads, entries, strict=True)
         ):
             # An earlier attempt of this very txn committed before its answer was
             # lost (the client retried): the entries are ours and at the head.
             revision = heads[0].create_revision if heads[0] is not None else 0
-            return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, ranks, waited=False)
-        blocked = [
-            k for k, h, e in zip(keys, heads, entries, strict=True) if h is not None and h.key != e
-        ]
-        return Grant(False, blocked=blocked)
+        else:
+            blocked = [
+                k
+                for k, h, e in zip(keys, heads, entries, strict=True)
+                if h is not None and h.key != e
+            ]
+            return Grant(False, blocked=blocked)
+        if self._revoked(entries, revision):
+            await self.records.delete_entries(session, [(e, revision) for e in entries])
+            return Grant(False, blocked=list(keys))
+        return self._granted(session, EXCLUSIVE, keys, revision, ttl, now, ranks, waited=False)
 
     async def _enqueue(
         self,
@@ -393,7 +405,9 @@ class LockRecipe:
         txn created, on the node's current lease? The mirror shows etcd as of its
         revision, which may trail etcd (a slow or replayed watch); the lease being
         within its local deadline (checked by :meth:`_granted`) is what proves etcd
-        has not expired the entries since."""
+        has not expired the entries since. An entry an operator's ``kill`` marked
+        while the request was being woken is not granted: its node (this one)
+        acknowledges the kill by deleting it."""
         self.lease.check_expiry()
         if session.lost or not self.lease.id or self.lease.past_deadline():
             return False
@@ -401,7 +415,20 @@ class LockRecipe:
             found = self.mirror.entry(etcd_key)
             if found is None or found.revision != revision or found.lease != self.lease.id:
                 return False
+            if found.killed:
+                return False
         return True
+
+    def _revoked(self, entries: list[bytes], revision: int) -> bool:
+        """Did an operator's ``kill`` mark an entry of this request before its grant
+        was given (the node's watch brought the mark before the txn's answer was
+        acted on)? This node acknowledges the kill by deleting the entry, after
+        which another node may grant the key: the grant is not given."""
+        for etcd_key in entries:
+            found = self.mirror.entry(etcd_key)
+            if found is not None and found.revision == revision and found.killed:
+                return True
+        return False
 
     def _held_by_other(self, session: ClusterSession, key: bytes) -> bool:
         queue = self.mirror.queues.get((EXCLUSIVE, key))
@@ -530,15 +557,9 @@ class LockRecipe:
                 if not found or found[0].lease != lease:
                     continue  # freed meanwhile, or moved to another node
                 entry = parse_entry_value(found[0].value)
-                value = entry_value(
-                    entry.limit,
-                    entry.ttl,
-                    session.owner,
-                    held=entry.held,
-                    rank=entry.rank,
-                    peer=session.peer,
-                    at=entry.at,
-                )
+                if entry.killed:
+                    continue  # revoked: its acknowledgement deletes it
+                value = encode_entry_value(entry, owner=session.owner, peer=session.peer)
                 put = put_op(etcd_key, value, lease)
                 revision = found[0].create_revision
                 puts.append(txn_op([compare_create(etcd_key, "==", revision)], [put]))

@@ -123,9 +123,10 @@ class ClusterLockSpace(Backend):
             max_waiters=max_waiters,
             line_grace=throttle_line_grace,
         )
-        self.operators = operators = ClusterOperators(calls, ledger, layout, mirror)
+        self.operators = operators = ClusterOperators(ledger, mirror, records)
         self.node = ClusterNode(calls, ledger, layout, mirror, lease, records, ends, node_id)
         self.node.loops.append(self.throttles.run)
+        self.node.loops.append(operators.send_acks)
         self.node.operators = operators
 
     @property

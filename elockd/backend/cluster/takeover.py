@@ -172,9 +172,12 @@ class Takeover:
         """Take over the entries of a session whose node is gone: those of requests
         that hold every lock they are in become holds here (a ``ttl`` restarts in
         full) and move onto this node's lease; the others are deleted, since their
-        requests died with the old connection. Each move is guarded by our claim of
-        the record and the entry's create revision: if the old node's lease ran out
-        meanwhile, etcd has freed the entries, nothing moves, and the takeover fails."""
+        requests died with the old connection. An entry a ``kill`` marked is left
+        where it is, never held here: it goes with the old node's lease, by which
+        time the old node can no longer confirm it to anyone.
+        Each move is guarded by our claim of the record and the entry's create
+        revision: if the old node's lease ran out meanwhile, etcd has freed the
+        entries, nothing moves, and the takeover fails."""
         await self._mirror_reaches(session.record_revision)
         # Each request's entries (one revision; several keys for mlock), and
         # whether each holds its lock.
@@ -191,6 +194,8 @@ class Takeover:
             if position is None:
                 continue
             mine = kvs[position]
+            if parse_entry_value(mine.value).killed:
+                continue  # revoked by an operator: it goes with the old node's lease
             holding = position == 0 if name.kind == EXCLUSIVE else mine in granted_kvs(kvs)
             requests.setdefault(mine.create_revision, []).append((name, mine, holding))
         kept = {r: es for r, es in requests.items() if all(holding for _, _, holding in es)}

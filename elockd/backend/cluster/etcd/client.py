@@ -89,9 +89,15 @@ def _with_range(body: dict[str, Any], range_end: bytes | None) -> dict[str, Any]
     return body
 
 
-def put_op(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
-    body = {"key": _b64(key), "value": _b64(value)}
-    if lease:
+def put_op(
+    key: bytes, value: bytes, lease: int = 0, *, ignore_lease: bool = False
+) -> dict[str, Any]:
+    """A write; ``ignore_lease``: the key keeps the lease it is bound to (etcd 3.3+),
+    so that one node can rewrite a value bound to another node's lease."""
+    body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if ignore_lease:
+        body["ignore_lease"] = True
+    elif lease:
         body["lease"] = str(lease)
     return {"request_put": body}
 
