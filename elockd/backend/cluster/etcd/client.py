@@ -21,11 +21,12 @@ import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import trio
 
+from elockd.backend.cluster.etcd.attempts import ROUND_BACKOFF, Attempts
 from elockd.backend.cluster.etcd.batch import Queued, TxnBatcher, batches_in_flight
 from elockd.backend.cluster.etcd.transport import Retry, Transport
 from elockd.observe.logthrottle import LogThrottle
@@ -45,7 +46,6 @@ _RETRY_MARKERS = (
     "deadline exceeded",  # a minority member answers 500 "context deadline exceeded", code 2
 )
 _WATCH_BACKOFF = 0.1  # between watch reconnects, so a dead cluster is not hammered
-_ROUND_BACKOFF = 0.05  # after every endpoint refused a call in a row
 #: A member that is down fails every call: one line per endpoint this often.
 _FAILURE_LOG_INTERVAL = 10.0
 
@@ -247,7 +247,7 @@ class EtcdClient:
         self,
         endpoints: Sequence[str],
         *,
-        attempt_timeout: float = 1.0,
+        attempt_timeout: float | None = None,
         deadline: float = 3.0,
         max_concurrent: int = 8,
     ) -> None:
@@ -258,8 +258,13 @@ class EtcdClient:
             endpoint: LogThrottle(log, logging.WARNING, _FAILURE_LOG_INTERVAL)
             for endpoint in self.endpoints
         }
-        self.attempt_timeout = attempt_timeout
         self.deadline = deadline
+        #: How long an attempt has a call to itself before the call also asks the
+        #: next endpoint (see :meth:`call`): the deadline shared out evenly over the
+        #: endpoints, so that each is asked once within it.
+        self.attempt_timeout = (
+            deadline / len(self.endpoints) if attempt_timeout is None else attempt_timeout
+        )
         self._current = 0
         self._limiter = trio.CapacityLimiter(max_concurrent)
         self._urgent = trio.CapacityLimiter(URGENT_SLOTS)
@@ -271,7 +276,7 @@ class EtcdClient:
         self._batcher: TxnBatcher | None = None
         # Only for watches: a stream holds its connection for life, none is worth keeping.
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(attempt_timeout),
+            timeout=httpx.Timeout(self.attempt_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
             trust_env=False,  # endpoints are explicit; never route them through a proxy
         )
@@ -307,7 +312,12 @@ class EtcdClient:
         await self._http.aclose()
 
     async def call(
-        self, path: str, body: dict[str, Any], *, urgent: bool = False
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        urgent: bool = False,
+        until: float | None = None,
     ) -> dict[str, Any]:
         """POST ``body`` to ``/v3/{path}``, failing over between endpoints until ``deadline``.
 
@@ -320,21 +330,31 @@ class EtcdClient:
         etcd is down.
 
         An attempt fails on a connection error, an HTTP 5xx, an error reply meaning
-        "not now" (no leader, timed out, leader changed, ...), a reply body over 64 MiB
-        or ``attempt_timeout`` (connect, send and the whole reply);
-        the call then moves to the next endpoint and tries again, and raises
-        EtcdUnavailable once ``deadline`` seconds have passed since it was sent.
-        Any other error reply raises EtcdError at once.
+        "not now" (no leader, timed out, leader changed, ...) or a reply body over
+        64 MiB; the call then tries the next endpoint at once. An attempt that is
+        merely slow is not given up: it may take until the call's end (``deadline``
+        seconds after it was sent, or ``until``, a trio time, if that is later:
+        a keepalive's answer is worth waiting for until the lease's local
+        deadline). But once it has run ``attempt_timeout`` (the deadline shared out
+        over the endpoints) unanswered, the next endpoint is asked too, beside it,
+        and so on: the first answer wins and the other attempts are cancelled. So a
+        hung member costs a call one share of its deadline, and a slow link to every
+        member (a delay shorter than the deadline) costs only the delay, where
+        cutting the slow attempt short would fail every call. With one endpoint, an
+        attempt has the whole deadline. At the call's end it raises
+        EtcdUnavailable. Any other error reply raises EtcdError at once.
 
-        A timed-out attempt may still have committed, so a retry can apply a request
-        twice. That is fine only because callers send nothing but idempotent or
-        compare-guarded requests (a txn that checks before it writes), whose second
-        application is a no-op or fails its compare; keep it that way.
+        A timed-out attempt may still have committed, and attempts may run side by
+        side, so a request may be applied twice. That is fine only because callers
+        send nothing but idempotent or compare-guarded requests (a txn that checks
+        before it writes), whose second application is a no-op or fails its
+        compare; keep it that way.
         """
-        return await self._call_payload(path, json.dumps(body).encode(), urgent=urgent)
+        payload = json.dumps(body).encode()
+        return await self._call_payload(path, payload, urgent=urgent, until=until)
 
     async def _call_payload(
-        self, path: str, payload: bytes, *, urgent: bool = False
+        self, path: str, payload: bytes, *, urgent: bool = False, until: float | None = None
     ) -> dict[str, Any]:
         """:meth:`call` with the body encoded already."""
         limiter = self._urgent if urgent else self._limiter
@@ -349,7 +369,12 @@ class EtcdClient:
                 limiter.release()
                 raise error from None
         try:
-            return await self._attempts(path, payload)
+            end = trio.current_time() + self.deadline
+            if until is not None and until > end:
+                end = until
+            if len(self.endpoints) == 1:
+                return await self._alone(path, payload, end)
+            return await Attempts(self, path, payload).run(end)
         finally:
             limiter.release()
 
@@ -364,28 +389,27 @@ class EtcdClient:
             f"{self.deadline}s while this one waited to be sent"
         )
 
-    async def _attempts(self, path: str, payload: bytes) -> dict[str, Any]:
-        """Send one call, failing over between endpoints, until ``deadline``."""
+    async def _alone(self, path: str, payload: bytes, end: float) -> dict[str, Any]:
+        """One endpoint: attempts one after the other, each until ``end`` at most
+        (there is no other member to ask meanwhile)."""
+        endpoint = self.endpoints[0]
         last = "no attempt finished"
-        failures = 0
-        with trio.move_on_after(self.deadline):
+        started = trio.current_time()
+        with trio.move_on_at(end):
             while True:
-                index = self._current
-                endpoint = self.endpoints[index]
-                last = f"{endpoint}: no answer within {self.attempt_timeout}s"
-                with trio.move_on_after(self.attempt_timeout):
-                    try:
-                        return await self._post(endpoint, path, payload)
-                    except Retry as exc:
-                        last = str(exc)
+                last = f"{endpoint}: no answer within {end - started:g}s"
+                try:
+                    return await self._post(endpoint, path, payload)
+                except Retry as exc:
+                    last = str(exc)
                 self._log_failure(endpoint, last)
-                if self._current == index:  # another task may have moved on already
-                    self._current = (index + 1) % len(self.endpoints)
-                failures += 1
-                if failures % len(self.endpoints) == 0:
-                    await trio.sleep(_ROUND_BACKOFF)  # every member refused: don't spin
+                await trio.sleep(ROUND_BACKOFF)  # the member refused: don't spin
+        self._log_failure(endpoint, last)
+        return self._give_up(path, end - started, last)
+
+    def _give_up(self, path: str, took: float, last: str) -> NoReturn:
         self._gave_up_at = trio.current_time()
-        raise EtcdUnavailable(f"etcd gave no answer to {path} within {self.deadline}s ({last})")
+        raise EtcdUnavailable(f"etcd gave no answer to {path} within {took:g}s ({last})")
 
     def _log_failure(self, endpoint: str, failure: str) -> None:
         """An endpoint that failed an attempt, with its URL and the cause, at most
@@ -460,9 +484,12 @@ class EtcdClient:
         reply = await self.call("lease/grant", {"TTL": str(ttl)})
         return int(reply["ID"]), int(reply.get("TTL", 0))
 
-    async def lease_keepalive(self, lease: int) -> int:
-        """Remaining TTL in seconds; 0 means the lease is gone (expired or revoked)."""
-        reply = await self.call("lease/keepalive", {"ID": str(lease)}, urgent=True)
+    async def lease_keepalive(self, lease: int, *, until: float | None = None) -> int:
+        """Remaining TTL in seconds; 0 means the lease is gone (expired or revoked).
+        ``until``: a trio time up to which the answer is still of use (the lease's
+        local deadline), if later than the call's deadline (see :meth:`call`)."""
+        body = {"ID": str(lease)}
+        reply = await self.call("lease/keepalive", body, urgent=True, until=until)
         return int(reply.get("result", {}).get("TTL", 0))
 
     async def lease_revoke(self, lease: int) -> bool:
@@ -508,6 +535,10 @@ class Watch(AsyncIterator[list[Event]]):
     a "created" reply with a start revision: while catching up, those carry the
     store's current revision, ahead of the events delivered so far.
 
+    A connect that etcd does not answer in time is tried again on the next
+    endpoint with twice the time (see ``_connect_time``), so a watch connects over
+    a link slower than any fixed bound short of its silence.
+
     Limits: one consumer task. Without ``silence``, a member that hangs (SIGSTOP,
     silent partition) while serving an open stream stalls the watch until its
     connection breaks, because the stream has no read timeout.
@@ -534,6 +565,15 @@ class Watch(AsyncIterator[list[Event]]):
         #: are a replay of what happened before (see QueueMirror.catch_up_to).
         self.created_at = 0
         self._index = client._current
+        #: How long the next connect may take, until etcd's "created" reply: a
+        #: share of the deadline first (a hung member costs no more than it costs
+        #: a call), twice as long after each that ran out, up to the longer of the
+        #: deadline and ``silence`` (over a slow link a connect takes two trips: a
+        #: fixed bound shorter than that would never connect).
+        self._connect_time = client.attempt_timeout
+        self._longest_connect = max(
+            client.deadline, client.attempt_timeout, 0 if silence is None else silence
+        )
         self._response: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
         self._closed = False
@@ -592,14 +632,17 @@ class Watch(AsyncIterator[list[Event]]):
             f"{self.endpoint}/v3/watch",
             content=json.dumps({"create_request": create}).encode(),
             headers=_HEADERS,
-            timeout=httpx.Timeout(client.attempt_timeout, read=None),
+            timeout=httpx.Timeout(self._connect_time, read=None),
         )
         response: httpx.Response | None = None
         # The headers come with the "created" reply; a hung member never sends them.
-        with trio.move_on_after(client.attempt_timeout):
+        with trio.move_on_after(self._connect_time):
             response = await client._http.send(request, stream=True)
         if response is None:
-            raise Retry(f"{self.endpoint}: watch not created in time")
+            took = self._connect_time
+            self._connect_time = min(2 * took, self._longest_connect)
+            raise Retry(f"{self.endpoint}: watch not created within {took:g}s")
+        self._connect_time = client.attempt_timeout
         self._response = response
         if response.status_code != 200:  # even a 4xx: the spec is "retry for ever"
             body = (await response.aread())[:200]

@@ -1,0 +1,143 @@
+"""A slow link between a node and etcd, shorter than the node's deadlines, costs the
+node nothing (docs/cluster.md, "When etcd answers slowly").
+
+etcd answers every call, 1.5 s late: later than a third of ``--etcd-timeout``, the
+share one attempt has before the next member is asked too, but well within the
+deadline of the call and within the lease's local deadline. Every attempt to every
+member is as slow (it is the node's link that is slow), so the node must wait for
+an answer rather than cut attempts short and fail over, or it gives up a lease
+etcd is still renewing and every client of the node loses its locks. A scripted
+transport stands in for etcd, on trio's MockClock, so the delay is exact.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from elockd.backend.cluster.etcd.client import EtcdClient, EtcdUnavailable
+from elockd.backend.cluster.lease import lease_deadline
+from elockd.backend.cluster.space import ClusterLockSpace
+from tests.test_cluster_deadline import holding_session
+
+DELAY = 1.5
+LEASE = 7
+TTL = 5
+
+
+def _answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What etcd would answer, enough for the node: the lease lives on, reads find
+    nothing, writes succeed."""
+    header = {"header": {"revision": "10"}}
+    if path == "lease/keepalive":
+        return header | {"result": {"ID": body["ID"], "TTL": str(TTL)}}
+    if path == "kv/range":
+        return header | {"kvs": [], "count": "0"}
+    if path == "kv/txn":
+        responses = [
+            {"response_range": {"kvs": [], "count": "0"}} if "request_range" in op else {}
+            for op in body.get("success", [])
+        ]
+        return header | {"succeeded": True, "responses": responses}
+    return header
+
+
+class SlowLink:
+    """The client's transport: every member answers ``delay`` seconds after the
+    request (the node's link is slow), and keeps count of what it was asked."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.asked: list[tuple[str, str]] = []
+
+    async def post(self, endpoint: str, path: str, payload: bytes) -> tuple[int, bytes]:
+        self.asked.append((endpoint, path))
+        await trio.sleep(self.delay)
+        return 200, json.dumps(_answer(path, json.loads(payload))).encode()
+
+    def close(self) -> None:
+        pass
+
+
+def slow_client(endpoints: int, delay: float = DELAY) -> tuple[EtcdClient, SlowLink]:
+    client = EtcdClient([f"http://etcd{i}.test:2379" for i in range(endpoints)], deadline=3.0)
+    link = SlowLink(delay)
+    client._transport = link  # type: ignore[assignment]
+    return client, link
+
+
+@pytest.mark.parametrize("endpoints", [1, 3])
+async def test_a_node_keeps_its_lease_and_sessions_when_etcd_answers_late(
+    endpoints: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    """For 30 s of etcd answering 1.5 s late, the node's keeper keeps its lease (a
+    keepalive every TTL/3), its session keeps its lock and ``token`` confirms it,
+    and the requests' reads and writes (``info``, a txn) are answered, not failed
+    as etcd unavailable."""
+    client, link = slow_client(endpoints)
+    space = ClusterLockSpace(client, b"/t/", session_ttl=TTL)
+    session, closed = holding_session(space, b"k")
+    space.lease.renewed(LEASE, trio.current_time(), TTL)
+    answered: list[float] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(space.node._keep_alive)
+        nursery.start_soon(space.lease.enforce_deadline)
+        end = trio.current_time() + 30
+        while trio.current_time() < end:
+            sent = trio.current_time()
+            await space.info(b"k", sent).run()
+            await space.calls.txn([], [{"request_range": {"key": "aw=="}}])
+            answered.append(trio.current_time() - sent)
+            assert space.token(session, b"k") == space.ledger.holds(session)[0].token
+            await trio.sleep(0.7)
+        nursery.cancel_scope.cancel()
+    assert not session.lost and closed == [] and space.lease.id == LEASE
+    assert space.calls.backend_unavailable == 0
+    keepalives = [path for _, path in link.asked if path == "lease/keepalive"]
+    assert len(keepalives) >= 30 / (TTL / 3) - 1
+    assert all(took >= 2 * DELAY for took in answered) and len(answered) >= 5
+    await client.aclose()
+
+
+async def test_a_keepalive_waits_for_its_answer_until_the_lease_s_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A keepalive answered later than --etcd-timeout but before the lease's local
+    deadline still moves the deadline on: it is waited for until then."""
+    client, _ = slow_client(1, delay=3.5)  # over the 3 s deadline, under TTL 5's 4.4 s
+    space = ClusterLockSpace(client, b"/t/", session_ttl=TTL)
+    start = trio.current_time()
+    space.lease.renewed(LEASE, start, TTL)
+    await space.lease.keep_alive()
+    assert space.lease.id == LEASE
+    assert space.lease.deadline == pytest.approx(lease_deadline(start, TTL))
+    # A request's call has only --etcd-timeout.
+    with pytest.raises(EtcdUnavailable, match="within 3s"):
+        await client.get(b"k")
+    await client.aclose()
+
+
+async def test_a_hung_member_costs_a_call_one_share_of_its_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The next member is asked beside a member that does not answer once a third of
+    the deadline has passed (three endpoints), and its answer is the call's."""
+    client, link = slow_client(3, delay=0.2)
+    hung = client.endpoints[0]
+    post = link.post
+
+    async def hang_first(endpoint: str, path: str, payload: bytes) -> tuple[int, bytes]:
+        if endpoint == hung:
+            await trio.sleep_forever()
+        return await post(endpoint, path, payload)
+
+    link.post = hang_first  # type: ignore[method-assign]
+    start = trio.current_time()
+    await client.get(b"k")
+    assert trio.current_time() - start == pytest.approx(1.0 + 0.2)
+    assert client.endpoint == client.endpoints[1]
+    await client.aclose()
