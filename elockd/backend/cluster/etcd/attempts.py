@@ -14,24 +14,37 @@ attempts in flight at once are as safe as a retry.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, NoReturn, Protocol
 
 import trio
 
 from elockd.backend.cluster.etcd.transport import Retry
 
-if TYPE_CHECKING:
-    from elockd.backend.cluster.etcd.client import EtcdClient
-
 #: After every endpoint refused a call in a row: so a dead cluster is not hammered.
 ROUND_BACKOFF = 0.05
+
+
+class Caller(Protocol):
+    """What the attempts use of the etcd client (:class:`.client.EtcdClient`)."""
+
+    endpoints: list[str]
+    #: How long an attempt runs alone before the next endpoint is asked too.
+    attempt_timeout: float
+    #: The endpoint calls stick to: the one that answered last.
+    _current: int
+
+    async def _post(self, endpoint: str, path: str, payload: bytes) -> dict[str, Any]: ...
+
+    def _log_failure(self, endpoint: str, failure: str) -> None: ...
+
+    def _give_up(self, path: str, took: float, last: str) -> NoReturn: ...
 
 
 class Attempts:
     """One call's attempts at the endpoints of ``client``, at most one in flight
     per endpoint, until the call's end."""
 
-    def __init__(self, client: EtcdClient, path: str, payload: bytes) -> None:
+    def __init__(self, client: Caller, path: str, payload: bytes) -> None:
         self._client = client
         self._path = path
         self._payload = payload

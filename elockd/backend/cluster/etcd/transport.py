@@ -142,8 +142,11 @@ class Transport:
     sides agree to continue (``start_next_cycle``). Any error, timeout or
     cancellation mid-request closes the connection instead: its state is unknown.
     At most ``limit`` connections are open, idle ones included. The caller's limiter
-    bounds the requests in flight by the same number, so a request that finds the
-    pool full always finds an idle connection to another endpoint to close.
+    bounds the calls in flight by the same number, so a request that finds the
+    pool full finds an idle connection to another endpoint to close; only while a
+    slow member has a call's next endpoint asked beside it (:mod:`.attempts`) may
+    more be open, one per endpoint and call at most, closed or pooled as those
+    attempts end.
     """
 
     def __init__(self, limit: int) -> None:
