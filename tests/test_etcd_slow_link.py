@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import h11
 import pytest
 import trio
 import trio.testing
@@ -23,6 +24,7 @@ from elockd.backend.cluster.etcd.client import EtcdClient, EtcdUnavailable
 from elockd.backend.cluster.lease import lease_deadline
 from elockd.backend.cluster.space import ClusterLockSpace
 from tests.test_cluster_deadline import holding_session
+from tests.test_etcd_client import FakeMember
 
 DELAY = 1.5
 LEASE = 7
@@ -35,6 +37,8 @@ def _answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
     header = {"header": {"revision": "10"}}
     if path == "lease/keepalive":
         return header | {"result": {"ID": body["ID"], "TTL": str(TTL)}}
+    if path == "lease/grant":
+        return header | {"ID": str(LEASE + 1), "TTL": str(TTL)}
     if path == "kv/range":
         return header | {"kvs": [], "count": "0"}
     if path == "kv/txn":
@@ -103,6 +107,29 @@ async def test_a_node_keeps_its_lease_and_sessions_when_etcd_answers_late(
     await client.aclose()
 
 
+@pytest.mark.parametrize("delay", [2.1, 2.3])
+async def test_the_lease_lives_through_delays_under_half_its_span(
+    delay: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The bound docs/cluster.md gives: a keepalive every TTL/3, each sent once the
+    last was answered, keeps the lease while the delay is under half its span,
+    ``(TTL x 0.98 - 0.5) / 2`` (2.2 s at TTL 5); past it the node fails closed."""
+    span = lease_deadline(0, TTL)
+    assert span / 2 == pytest.approx(2.2)
+    client, _ = slow_client(1, delay)
+    space = ClusterLockSpace(client, b"/t/", session_ttl=TTL)
+    session, closed = holding_session(space, b"k")
+    space.lease.renewed(LEASE, trio.current_time(), TTL)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(space.node._keep_alive)
+        nursery.start_soon(space.lease.enforce_deadline)
+        await trio.sleep(30)
+        nursery.cancel_scope.cancel()
+    kept = delay < span / 2
+    assert session.lost is not kept and closed == ([] if kept else ["closed"])
+    await client.aclose()
+
+
 async def test_a_keepalive_waits_for_its_answer_until_the_lease_s_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -140,4 +167,35 @@ async def test_a_hung_member_costs_a_call_one_share_of_its_deadline(
     await client.get(b"k")
     assert trio.current_time() - start == pytest.approx(1.0 + 0.2)
     assert client.endpoint == client.endpoints[1]
+    await client.aclose()
+
+
+async def test_a_watch_connects_over_a_link_slower_than_its_first_try(
+    nursery: trio.Nursery,
+) -> None:
+    """etcd's "created" reply comes 1.5 s after the request (three members, all as
+    slow), later than the watch's first try (1 s, a third of --etcd-timeout): the
+    next try, on the next member, has twice as long, and the watch connects and
+    delivers, where a fixed bound would retry for ever (real time, fake members)."""
+
+    async def late(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        await trio.sleep(DELAY)
+        headers = [(b"Transfer-Encoding", b"chunked")]
+        await stream.send_all(http.send(h11.Response(status_code=200, headers=headers)) or b"")
+        kv = {"key": "YTE=", "value": "", "create_revision": "6", "mod_revision": "6"}
+        for result in ({"header": {"revision": "5"}, "created": True}, {"events": [{"kv": kv}]}):
+            line = json.dumps({"result": result}).encode() + b"\n"
+            await stream.send_all(http.send(h11.Data(data=line)) or b"")
+        await trio.sleep_forever()
+        return False
+
+    members = [await FakeMember(late).start(nursery) for _ in range(3)]
+    client = EtcdClient([member.url for member in members], deadline=3.0)
+    start = trio.current_time()
+    with trio.fail_after(6):
+        async with client.watch(b"a", b"b", 0, silence=TTL) as watch:
+            events = await watch.__anext__()
+    assert [event.kv.key for event in events] == [b"a1"]
+    assert [member.requests for member in members] == [1, 1, 0]
+    assert 1.0 + DELAY <= trio.current_time() - start < 1.0 + 2.0
     await client.aclose()
