@@ -1,25 +1,38 @@
-"""A call's attempts at several etcd members: the next one is asked beside a slow one.
+"""A call's attempts at the etcd members: a slow one is not cut short, a fresh one
+is sent beside it.
 
 Why not cut a slow attempt short and move on: the node's own link to etcd may be
 the slow part (a congested or delayed network), and then every member is as slow
 as the first. An attempt cut at a fixed time shorter than the delay never gets an
-answer from any member, and the node gives up a lease etcd is still renewing.
-Asking the next member beside the slow one, and keeping the slow one open, costs a
-hung member one share of the deadline (as cutting it did) and a slow link only its
-delay. The first answer wins; the other attempts are cancelled. Every request the
-node sends may be applied twice (see :meth:`.client.EtcdClient.call`), so two
-attempts in flight at once are as safe as a retry.
+answer from any member, and the node gives up a lease etcd is still renewing. Why
+send a fresh one at all: a member may be hung, and a request that reached a member
+during an election may stay stuck in it after the election is over, while the same
+request sent again is answered at once.
+
+So a call's span (from when it is sent to its end) is cut into
+``max(ATTEMPTS, endpoints)`` equal parts; at the start of each, a fresh attempt
+goes to the next member (the same one, with one endpoint), and every earlier
+attempt stays open until the call's end. The first answer wins; the other attempts
+are cancelled. An attempt that fails (a refused connection, "no leader") is
+followed by the next one at once. Every request the node sends may be applied
+twice (see :meth:`.client.EtcdClient.call`), so attempts side by side are as safe
+as a retry.
+
+The first attempt runs in the caller's task, and almost every call ends there; only
+a call whose first attempt outlives its part starts tasks for the others (and for
+the rest of the first one: the request was sent, its reply is read on).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, NoReturn, Protocol
 
 import trio
 
-from elockd.backend.cluster.etcd.transport import Retry
+from elockd.backend.cluster.etcd.transport import Connection, Retry, Transport
 
+#: A call is tried at least this many times within its span (more with more endpoints).
+ATTEMPTS = 3
 #: After every endpoint refused a call in a row: so a dead cluster is not hammered.
 ROUND_BACKOFF = 0.05
 
@@ -28,21 +41,24 @@ class Caller(Protocol):
     """What the attempts use of the etcd client (:class:`.client.EtcdClient`)."""
 
     endpoints: list[str]
-    #: How long an attempt runs alone before the next endpoint is asked too.
-    attempt_timeout: float
+    _transport: Transport
     #: The endpoint calls stick to: the one that answered last.
     _current: int
 
-    async def _post(self, endpoint: str, path: str, payload: bytes) -> dict[str, Any]: ...
+    def _decoded(self, endpoint: str, status: int, content: bytes) -> dict[str, Any]: ...
 
     def _log_failure(self, endpoint: str, failure: str) -> None: ...
 
     def _give_up(self, path: str, took: float, last: str) -> NoReturn: ...
 
 
+def attempt_interval(span: float, endpoints: int) -> float:
+    """Seconds between two attempts of a call that may take ``span`` seconds."""
+    return span / max(ATTEMPTS, endpoints)
+
+
 class Attempts:
-    """One call's attempts at the endpoints of ``client``, at most one in flight
-    per endpoint, until the call's end."""
+    """One call's attempts, until its end."""
 
     def __init__(self, client: Caller, path: str, payload: bytes) -> None:
         self._client = client
@@ -52,39 +68,59 @@ class Attempts:
         self._error: Exception | None = None
         self._failures = 0
         self._last = "no attempt finished"
-        self._in_flight: set[int] = set()
         self._wake = trio.Event()
 
-    async def run(self, end: float) -> dict[str, Any]:
-        """The first answer of any endpoint; EtcdUnavailable (from the client) at
-        ``end`` (trio time) without one; an error reply that is not "not now", as
-        it is."""
+    async def run(self, end: float, interval: float) -> dict[str, Any]:
+        """The first answer of any endpoint, with a fresh attempt every ``interval``
+        seconds; EtcdUnavailable (from the client) at ``end`` (trio time) without
+        one; an error reply that is not "not now", as it is."""
+        client = self._client
+        started = trio.current_time()
+        index = client._current
+        endpoint = client.endpoints[index]
+        transport = client._transport
+        pending: Connection | None = None
+        try:
+            with trio.move_on_at(started + interval):
+                pending = await transport.send(endpoint, self._path, self._payload)
+                status, content = await transport.receive(pending)
+                pending = None
+                return client._decoded(endpoint, status, content)
+            client._log_failure(endpoint, f"no answer within {interval:g}s (still waiting)")
+        except Retry as exc:
+            pending = None
+            self._failed(index, str(exc))
+        except BaseException:
+            if pending is not None:
+                transport.discard(pending)
+            raise
+        return await self._others(started, end, interval, index, pending)
+
+    async def _others(
+        self, started: float, end: float, interval: float, index: int, pending: Connection | None
+    ) -> dict[str, Any]:
+        """The attempts after the first, side by side with it if ``pending`` (its
+        request sent, its reply not read yet)."""
         client = self._client
         count = len(client.endpoints)
-        started = trio.current_time()
         with trio.move_on_at(end):
             async with trio.open_nursery() as nursery:
-                index = latest = client._current
+                if pending is not None:  # its task reads the reply, or closes it
+                    nursery.start_soon(self._attempt, index, nursery.cancel_scope, pending)
+                elif self._failures % count == 0:
+                    await trio.sleep(ROUND_BACKOFF)  # every member refused: don't spin
                 while True:
-                    wait = math.inf  # every endpoint is being asked: wait for one to fail
-                    if len(self._in_flight) < count:
-                        while index in self._in_flight:
-                            index = (index + 1) % count
-                        self._in_flight.add(index)
-                        nursery.start_soon(self._attempt, index, nursery.cancel_scope)
-                        latest = index
-                        index = (index + 1) % count
-                        wait = client.attempt_timeout
+                    index = (index + 1) % count
+                    nursery.start_soon(self._attempt, index, nursery.cancel_scope, None)
                     failures = self._failures
                     self._wake = trio.Event()
-                    with trio.move_on_after(wait):
+                    with trio.move_on_after(interval):
                         await self._wake.wait()
                     if self._failures == failures:  # slow, not failed: still waited for
-                        endpoint = client.endpoints[latest]
-                        share = f"{client.attempt_timeout:g}s"
-                        client._log_failure(endpoint, f"no answer within {share} (still waiting)")
+                        late = f"no answer within {interval:g}s (still waiting)"
+                        client._log_failure(client.endpoints[index], late)
                     elif self._failures % count == 0:
-                        await trio.sleep(ROUND_BACKOFF)  # every member refused: don't spin
+                        await trio.sleep(ROUND_BACKOFF)
         if self._error is not None:
             raise self._error
         if self._answer is not None:
@@ -92,18 +128,22 @@ class Attempts:
         last = self._last if self._failures else f"no answer within {end - started:g}s"
         client._give_up(self._path, end - started, last)
 
-    async def _attempt(self, index: int, call: trio.CancelScope) -> None:
+    async def _attempt(
+        self, index: int, call: trio.CancelScope, pending: Connection | None
+    ) -> None:
+        """One attempt at endpoint ``index``; with ``pending``, the rest of one
+        whose request was sent on it already."""
         client = self._client
         endpoint = client.endpoints[index]
+        transport = client._transport
         try:
-            answer = await client._post(endpoint, self._path, self._payload)
+            if pending is None:
+                status, content = await transport.post(endpoint, self._path, self._payload)
+            else:
+                status, content = await transport.finish(pending)
+            answer = client._decoded(endpoint, status, content)
         except Retry as exc:
-            self._last = str(exc)
-            client._log_failure(endpoint, self._last)
-            if client._current == index:  # another task may have moved on already
-                client._current = (index + 1) % len(client.endpoints)
-            self._failures += 1
-            self._in_flight.discard(index)
+            self._failed(index, str(exc))
             self._wake.set()
             return
         except Exception as exc:  # an error reply: the call ends with it
@@ -112,3 +152,11 @@ class Attempts:
             self._answer = answer
             client._current = index  # calls stick to the member that answers
         call.cancel()
+
+    def _failed(self, index: int, failure: str) -> None:
+        client = self._client
+        self._last = failure
+        client._log_failure(client.endpoints[index], failure)
+        if client._current == index:  # another task may have moved on already
+            client._current = (index + 1) % len(client.endpoints)
+        self._failures += 1

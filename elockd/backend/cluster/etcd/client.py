@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import httpx
 import trio
 
-from elockd.backend.cluster.etcd.attempts import ROUND_BACKOFF, Attempts
+from elockd.backend.cluster.etcd.attempts import Attempts, attempt_interval
 from elockd.backend.cluster.etcd.batch import Queued, TxnBatcher, batches_in_flight
 from elockd.backend.cluster.etcd.transport import Retry, Transport
 from elockd.observe.logthrottle import LogThrottle
@@ -233,10 +233,11 @@ class EtcdClient:
     """Calls to a set of etcd members with failover; safe to share between tasks.
 
     Calls stick to one endpoint while it answers, and move to the next one when it
-    does not. A trio.CapacityLimiter bounds the calls in flight (the window, at most
-    ``max_concurrent``); the others queue for it in FIFO order, and their deadline
-    starts only once they are sent, so a node's own backlog is never read as etcd
-    not answering. Lease keepalives have :data:`URGENT_SLOTS` of their own. The
+    fails or is slow (:meth:`call`). A trio.CapacityLimiter bounds the calls in
+    flight (the window, at most ``max_concurrent``); the others queue for it in
+    FIFO order, and their deadline starts only once they are sent, so a node's
+    own backlog is never read as etcd not answering. Lease keepalives have
+    :data:`URGENT_SLOTS` of their own. The
     window and those places also bound the keep-alive connections of unary calls
     (see :mod:`.transport`).
     Watches are not counted there: each holds an httpx streaming connection of its
@@ -259,11 +260,13 @@ class EtcdClient:
             for endpoint in self.endpoints
         }
         self.deadline = deadline
-        #: How long an attempt has a call to itself before the call also asks the
-        #: next endpoint (see :meth:`call`): the deadline shared out evenly over the
-        #: endpoints, so that each is asked once within it.
+        #: Seconds between two attempts of a call (see :meth:`call`): its deadline
+        #: cut into parts, one per endpoint and at least three. A call with a later
+        #: end (a keepalive) spaces its attempts out in proportion.
         self.attempt_timeout = (
-            deadline / len(self.endpoints) if attempt_timeout is None else attempt_timeout
+            attempt_interval(deadline, len(self.endpoints))
+            if attempt_timeout is None
+            else attempt_timeout
         )
         self._current = 0
         self._limiter = trio.CapacityLimiter(max_concurrent)
@@ -329,23 +332,23 @@ class EtcdClient:
         deadline of its own learning the same; so a backlog drains promptly when
         etcd is down.
 
-        An attempt fails on a connection error, an HTTP 5xx, an error reply meaning
-        "not now" (no leader, timed out, leader changed, ...) or a reply body over
-        64 MiB; the call then tries the next endpoint at once. An attempt that is
-        merely slow is not given up: it may take until the call's end (``deadline``
-        seconds after it was sent, or ``until``, a trio time, if that is later:
-        a keepalive's answer is worth waiting for until the lease's local
-        deadline). But once it has run ``attempt_timeout`` (the deadline shared out
-        over the endpoints) unanswered, the next endpoint is asked too, beside it,
-        and so on: the first answer wins and the other attempts are cancelled. So a
-        hung member costs a call one share of its deadline, and a slow link to every
-        member (a delay shorter than the deadline) costs only the delay, where
-        cutting the slow attempt short would fail every call. With one endpoint, an
-        attempt has the whole deadline. At the call's end it raises
+        The call may take until its end: ``deadline`` seconds after it was sent,
+        or ``until`` (a trio time) if that is later: a keepalive's answer is worth
+        waiting for until the lease's local deadline. An attempt is never cut short
+        before then: the link to every member may be slow, and an attempt cut
+        sooner than the delay would never be answered. But every
+        ``attempt_timeout`` (a third of the deadline, or less with more than three
+        endpoints) without an answer, a fresh attempt goes to the next endpoint
+        (the same one, with one endpoint), beside the earlier ones: for a hung
+        member, or a request stuck in a member during an election. The first
+        answer wins; the other attempts are cancelled (see :mod:`.attempts`). An
+        attempt that fails (a connection error, an HTTP 5xx, an error reply meaning
+        "not now": no leader, timed out, leader changed, ...; a reply body over 64
+        MiB) is followed by the next one at once. At the call's end it raises
         EtcdUnavailable. Any other error reply raises EtcdError at once.
 
-        A timed-out attempt may still have committed, and attempts may run side by
-        side, so a request may be applied twice. That is fine only because callers
+        An attempt may commit while the next one is sent, so a request may be
+        applied twice. That is fine only because callers
         send nothing but idempotent or compare-guarded requests (a txn that checks
         before it writes), whose second application is a no-op or fails its
         compare; keep it that way.
@@ -369,12 +372,12 @@ class EtcdClient:
                 limiter.release()
                 raise error from None
         try:
-            end = trio.current_time() + self.deadline
+            now = trio.current_time()
+            end = now + self.deadline
             if until is not None and until > end:
                 end = until
-            if len(self.endpoints) == 1:
-                return await self._alone(path, payload, end)
-            return await Attempts(self, path, payload).run(end)
+            interval = self.attempt_timeout * (end - now) / self.deadline
+            return await Attempts(self, path, payload).run(end, interval)
         finally:
             limiter.release()
 
@@ -389,24 +392,6 @@ class EtcdClient:
             f"{self.deadline}s while this one waited to be sent"
         )
 
-    async def _alone(self, path: str, payload: bytes, end: float) -> dict[str, Any]:
-        """One endpoint: attempts one after the other, each until ``end`` at most
-        (there is no other member to ask meanwhile)."""
-        endpoint = self.endpoints[0]
-        last = "no attempt finished"
-        started = trio.current_time()
-        with trio.move_on_at(end):
-            while True:
-                last = f"{endpoint}: no answer within {end - started:g}s"
-                try:
-                    return await self._post(endpoint, path, payload)
-                except Retry as exc:
-                    last = str(exc)
-                self._log_failure(endpoint, last)
-                await trio.sleep(ROUND_BACKOFF)  # the member refused: don't spin
-        self._log_failure(endpoint, last)
-        return self._give_up(path, end - started, last)
-
     def _give_up(self, path: str, took: float, last: str) -> NoReturn:
         self._gave_up_at = trio.current_time()
         raise EtcdUnavailable(f"etcd gave no answer to {path} within {took:g}s ({last})")
@@ -418,8 +403,7 @@ class EtcdClient:
         fields = {"endpoint": endpoint, "cause": cause}
         self._failure_logs[endpoint]("etcd endpoint failed", fields=fields)
 
-    async def _post(self, endpoint: str, path: str, payload: bytes) -> dict[str, Any]:
-        status, content = await self._transport.post(endpoint, path, payload)
+    def _decoded(self, endpoint: str, status: int, content: bytes) -> dict[str, Any]:
         return _decode(endpoint, status, content)
 
     async def txn(
@@ -565,9 +549,9 @@ class Watch(AsyncIterator[list[Event]]):
         #: are a replay of what happened before (see QueueMirror.catch_up_to).
         self.created_at = 0
         self._index = client._current
-        #: How long the next connect may take, until etcd's "created" reply: a
-        #: share of the deadline first (a hung member costs no more than it costs
-        #: a call), twice as long after each that ran out, up to the longer of the
+        #: How long the next connect may take, until etcd's "created" reply: the
+        #: time between two attempts of a call first (a hung member costs no more
+        #: than it costs a call), twice as long after each that ran out, up to the longer of the
         #: deadline and ``silence`` (over a slow link a connect takes two trips: a
         #: fixed bound shorter than that would never connect).
         self._connect_time = client.attempt_timeout
