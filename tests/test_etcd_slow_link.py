@@ -27,7 +27,7 @@ from elockd.backend.cluster.layout import EXCLUSIVE, Layout, entry_value
 from elockd.backend.cluster.lease import lease_deadline
 from elockd.backend.cluster.space import ClusterLockSpace
 from tests.test_cluster_deadline import holding_session
-from tests.test_etcd_client import FakeMember
+from tests.test_etcd_client import FakeMember, ok
 
 DELAY = 1.5
 LEASE = 7
@@ -269,4 +269,30 @@ async def test_a_watch_connects_over_a_link_slower_than_its_first_try(
     assert [event.kv.key for event in events] == [b"a1"]
     assert [member.requests for member in members] == [1, 1, 0]
     assert 1.0 + DELAY <= trio.current_time() - start < 1.0 + 2.0
+    await client.aclose()
+
+
+async def test_the_first_attempt_is_read_on_past_its_part_of_the_deadline(
+    nursery: trio.Nursery,
+) -> None:
+    """Over the real transport: a member that answers in 0.5 s, a call with a fresh
+    attempt every 0.3 s. The first attempt's reply is still read when it comes (the
+    call ends at 0.5 s, not at 0.8 s with the second's), on a connection fit to use
+    again; the second attempt's is closed."""
+
+    async def late(stream: trio.SocketStream, http: h11.Connection, request: int) -> bool:
+        if request <= 2:  # the first call's two attempts; the next call's is quick
+            await trio.sleep(0.5)
+        return await ok(stream, http, request)
+
+    member = await FakeMember(late).start(nursery)
+    client = EtcdClient([member.url], deadline=0.9)
+    start = trio.current_time()
+    assert await client.put(b"k", b"v") == 7
+    assert 0.5 <= trio.current_time() - start < 0.75
+    assert member.connections == 2  # the second attempt's, at 0.3 s
+    transport = client._transport
+    assert len(transport._idle[member.url]) == 1 and transport._open == 1
+    assert await client.put(b"k", b"v") == 7  # on the first attempt's connection
+    assert member.connections == 2
     await client.aclose()

@@ -81,7 +81,7 @@ class Attempts:
         transport = client._transport
         pending: Connection | None = None
         try:
-            with trio.move_on_at(started + interval):
+            with trio.move_on_at(min(started + interval, end)):
                 pending = await transport.send(endpoint, self._path, self._payload)
                 status, content = await transport.receive(pending)
                 pending = None
