@@ -175,6 +175,7 @@ class Lab:
                 self.link(f"{role}-f", True)
         if self.proxy is not None:
             self.proxy.delay = 0.0
+            self.proxy.one_way = False
 
     def cut_node_from_etcd(self, role: str, mode: str) -> None:
         """``mode``: ``loss``, ``down`` (its back link) or ``delay`` (through the proxy)."""
@@ -239,12 +240,15 @@ BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 class DelayProxy:
     """TCP forwarders inside one namespace, one per etcd member, on 127.0.0.1.
 
-    Each byte is sent on ``delay`` seconds after it arrived (0: at once), in order;
+    Each byte is sent on ``delay`` seconds after it arrived (0: at once), in order
+    (with ``one_way``, only the bytes from etcd to the node);
     setting ``delay`` from another thread takes effect for the bytes that arrive
     from then on, so a backlog drains within the old delay after it is set to 0."""
 
     def __init__(self, namespace: str, targets: list[tuple[str, int]]) -> None:
         self.delay = 0.0
+        #: Hold only the bytes etcd sends to the node (its answers), not its requests.
+        self.one_way = False
         self.targets = targets
         self.ports: list[int] = []
         self._token: trio.lowlevel.TrioToken | None = None
@@ -278,13 +282,17 @@ class DelayProxy:
                 await downstream.aclose()
                 return
             async with downstream, upstream, trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump, downstream, upstream, nursery.cancel_scope)
-                nursery.start_soon(self._pump, upstream, downstream, nursery.cancel_scope)
+                nursery.start_soon(self._pump, downstream, upstream, nursery.cancel_scope, False)
+                nursery.start_soon(self._pump, upstream, downstream, nursery.cancel_scope, True)
 
         return handle
 
     async def _pump(
-        self, source: trio.SocketStream, sink: trio.SocketStream, scope: trio.CancelScope
+        self,
+        source: trio.SocketStream,
+        sink: trio.SocketStream,
+        scope: trio.CancelScope,
+        to_node: bool,
     ) -> None:
         send, receive = trio.open_memory_channel[tuple[float, bytes]](math.inf)
 
@@ -304,7 +312,8 @@ class DelayProxy:
                 data = b""
                 with contextlib.suppress(*BROKEN):
                     data = await source.receive_some(65536)
-                last = max(last, trio.current_time() + self.delay)
+                delay = self.delay if to_node or not self.one_way else 0.0
+                last = max(last, trio.current_time() + delay)
                 send.send_nowait((last, data))
 
     def close(self) -> None:

@@ -93,8 +93,8 @@ class Calls:
     async def lease_grant(self, ttl: int) -> tuple[int, int]:
         return await self._answer(self._client.lease_grant(ttl))
 
-    async def lease_keepalive(self, lease: int) -> int:
-        return await self._answer(self._client.lease_keepalive(lease))
+    async def lease_keepalive(self, lease: int, *, until: float | None = None) -> int:
+        return await self._answer(self._client.lease_keepalive(lease, until=until))
 
     def watch(
         self, key: bytes, range_end: bytes, start_revision: int, *, silence: float | None = None

@@ -209,7 +209,11 @@ class NodeLease:
                 await self.grant()
             return
         sent = trio.current_time()
-        remaining = await self.calls.unmapped.lease_keepalive(lease)
+        # Its answer is of use until the local deadline (it moves the deadline on),
+        # however slow etcd's answers come: waited for that long, if that is longer
+        # than --etcd-timeout.
+        until = self.deadline
+        remaining = await self.calls.unmapped.lease_keepalive(lease, until=until)
         if self.id != lease:
             return
         if remaining == 0:

@@ -7,7 +7,8 @@ session record and entry of the node hangs on (``--session-ttl``), and loads the
 mirror of every queue. Then, until cancelled, three loops run side by side: the
 watch that keeps the mirror current (and reloads it when etcd has compacted past
 it), the heartbeat, and the keepalive of the node's lease (every TTL/3, one call
-however many sessions), each round of which ends with the sweep of stray entries.
+however many sessions), each round of which starts the sweep of stray entries
+(which runs beside the next rounds if it takes that long).
 Leaving revokes the node's lease, so its sessions' locks go at once rather than
 after the session TTL.
 
@@ -249,7 +250,8 @@ class ClusterNode:
 
     async def _keep_alive(self) -> None:
         """Every TTL/3: one keepalive of the node's lease (or a new lease), then the
-        stray sweep. Sooner when the lease is gone (at once), or when etcd failed a
+        stray sweep (beside the next rounds, if it takes that long). Sooner when the
+        lease is gone (at once), or when etcd failed a
         call since the last round (KEEPALIVE_RETRY after it): a keepalive that failed
         is tried again soon, since everything of the node's sessions hangs on the
         lease, and a free that etcd refused is swept as soon as etcd answers, so that
@@ -257,11 +259,27 @@ class ClusterNode:
         rounds go on every KEEPALIVE_RETRY for two etcd deadlines once etcd answers
         again: a write etcd refused may still commit when its members come back (the
         leader kept it in its log), and its entry reaches the mirror only then."""
+        async with trio.open_nursery() as sweeps:
+            await self._keep_alive_rounds(sweeps)
+
+    async def _keep_alive_rounds(self, sweeps: trio.Nursery) -> None:
+        """:meth:`_keep_alive`'s rounds; the sweeps run in ``sweeps``, beside them:
+        over a slow link to etcd a sweep of many strays takes many round trips, and
+        a keepalive held up behind it would lose a lease etcd is still renewing."""
         period = self.session_ttl / 3
         lease, calls = self.lease, self.calls
         last_round = trio.current_time()  # the lease was just granted
         failed = False
         settle_until = -math.inf  # rounds come every KEEPALIVE_RETRY until then
+        sweeping = False
+
+        async def sweep() -> None:
+            nonlocal sweeping
+            try:
+                await self._sweep()
+            finally:
+                sweeping = False
+
         while True:
             next_round = last_round + period
             if last_round < settle_until:
@@ -287,8 +305,9 @@ class ClusterNode:
                 calls.unavailable("node lease keepalive")
                 continue
             failed = False
-            if not calls.frozen:  # whoever serves on sweeps
-                await self._sweep()
+            if not calls.frozen and not sweeping:  # whoever serves on sweeps
+                sweeping = True
+                sweeps.start_soon(sweep)
 
     async def _heartbeat(self) -> None:
         """The node's own lease, renewed in a loop of its own (a slow session

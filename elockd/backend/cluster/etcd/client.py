@@ -21,11 +21,12 @@ import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import trio
 
+from elockd.backend.cluster.etcd.attempts import Attempts, attempt_interval
 from elockd.backend.cluster.etcd.batch import Queued, TxnBatcher, batches_in_flight
 from elockd.backend.cluster.etcd.transport import Retry, Transport
 from elockd.observe.logthrottle import LogThrottle
@@ -45,7 +46,6 @@ _RETRY_MARKERS = (
     "deadline exceeded",  # a minority member answers 500 "context deadline exceeded", code 2
 )
 _WATCH_BACKOFF = 0.1  # between watch reconnects, so a dead cluster is not hammered
-_ROUND_BACKOFF = 0.05  # after every endpoint refused a call in a row
 #: A member that is down fails every call: one line per endpoint this often.
 _FAILURE_LOG_INTERVAL = 10.0
 
@@ -239,10 +239,11 @@ class EtcdClient:
     """Calls to a set of etcd members with failover; safe to share between tasks.
 
     Calls stick to one endpoint while it answers, and move to the next one when it
-    does not. A trio.CapacityLimiter bounds the calls in flight (the window, at most
-    ``max_concurrent``); the others queue for it in FIFO order, and their deadline
-    starts only once they are sent, so a node's own backlog is never read as etcd
-    not answering. Lease keepalives have :data:`URGENT_SLOTS` of their own. The
+    fails or is slow (:meth:`call`). A trio.CapacityLimiter bounds the calls in
+    flight (the window, at most ``max_concurrent``); the others queue for it in
+    FIFO order, and their deadline starts only once they are sent, so a node's
+    own backlog is never read as etcd not answering. Lease keepalives have
+    :data:`URGENT_SLOTS` of their own. The
     window and those places also bound the keep-alive connections of unary calls
     (see :mod:`.transport`).
     Watches are not counted there: each holds an httpx streaming connection of its
@@ -253,7 +254,7 @@ class EtcdClient:
         self,
         endpoints: Sequence[str],
         *,
-        attempt_timeout: float = 1.0,
+        attempt_timeout: float | None = None,
         deadline: float = 3.0,
         max_concurrent: int = 8,
     ) -> None:
@@ -264,8 +265,15 @@ class EtcdClient:
             endpoint: LogThrottle(log, logging.WARNING, _FAILURE_LOG_INTERVAL)
             for endpoint in self.endpoints
         }
-        self.attempt_timeout = attempt_timeout
         self.deadline = deadline
+        #: Seconds between two attempts of a call (see :meth:`call`): its deadline
+        #: cut into parts, one per endpoint and at least three. A call with a later
+        #: end (a keepalive) spaces its attempts out in proportion.
+        self.attempt_timeout = (
+            attempt_interval(deadline, len(self.endpoints))
+            if attempt_timeout is None
+            else attempt_timeout
+        )
         self._current = 0
         self._limiter = trio.CapacityLimiter(max_concurrent)
         self._urgent = trio.CapacityLimiter(URGENT_SLOTS)
@@ -277,7 +285,7 @@ class EtcdClient:
         self._batcher: TxnBatcher | None = None
         # Only for watches: a stream holds its connection for life, none is worth keeping.
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(attempt_timeout),
+            timeout=httpx.Timeout(self.attempt_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
             trust_env=False,  # endpoints are explicit; never route them through a proxy
         )
@@ -313,7 +321,12 @@ class EtcdClient:
         await self._http.aclose()
 
     async def call(
-        self, path: str, body: dict[str, Any], *, urgent: bool = False
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        urgent: bool = False,
+        until: float | None = None,
     ) -> dict[str, Any]:
         """POST ``body`` to ``/v3/{path}``, failing over between endpoints until ``deadline``.
 
@@ -325,22 +338,32 @@ class EtcdClient:
         deadline of its own learning the same; so a backlog drains promptly when
         etcd is down.
 
-        An attempt fails on a connection error, an HTTP 5xx, an error reply meaning
-        "not now" (no leader, timed out, leader changed, ...), a reply body over 64 MiB
-        or ``attempt_timeout`` (connect, send and the whole reply);
-        the call then moves to the next endpoint and tries again, and raises
-        EtcdUnavailable once ``deadline`` seconds have passed since it was sent.
-        Any other error reply raises EtcdError at once.
+        The call may take until its end: ``deadline`` seconds after it was sent,
+        or ``until`` (a trio time) if that is later: a keepalive's answer is worth
+        waiting for until the lease's local deadline. An attempt is never cut short
+        before then: the link to every member may be slow, and an attempt cut
+        sooner than the delay would never be answered. But every
+        ``attempt_timeout`` (a third of the deadline, or less with more than three
+        endpoints) without an answer, a fresh attempt goes to the next endpoint
+        (the same one, with one endpoint), beside the earlier ones: for a hung
+        member, or a request stuck in a member during an election. The first
+        answer wins; the other attempts are cancelled (see :mod:`.attempts`). An
+        attempt that fails (a connection error, an HTTP 5xx, an error reply meaning
+        "not now": no leader, timed out, leader changed, ...; a reply body over 64
+        MiB) is followed by the next one at once. At the call's end it raises
+        EtcdUnavailable. Any other error reply raises EtcdError at once.
 
-        A timed-out attempt may still have committed, so a retry can apply a request
-        twice. That is fine only because callers send nothing but idempotent or
-        compare-guarded requests (a txn that checks before it writes), whose second
-        application is a no-op or fails its compare; keep it that way.
+        An attempt may commit while the next one is sent, so a request may be
+        applied twice. That is fine only because callers
+        send nothing but idempotent or compare-guarded requests (a txn that checks
+        before it writes), whose second application is a no-op or fails its
+        compare; keep it that way.
         """
-        return await self._call_payload(path, json.dumps(body).encode(), urgent=urgent)
+        payload = json.dumps(body).encode()
+        return await self._call_payload(path, payload, urgent=urgent, until=until)
 
     async def _call_payload(
-        self, path: str, payload: bytes, *, urgent: bool = False
+        self, path: str, payload: bytes, *, urgent: bool = False, until: float | None = None
     ) -> dict[str, Any]:
         """:meth:`call` with the body encoded already."""
         limiter = self._urgent if urgent else self._limiter
@@ -355,7 +378,12 @@ class EtcdClient:
                 limiter.release()
                 raise error from None
         try:
-            return await self._attempts(path, payload)
+            now = trio.current_time()
+            end = now + self.deadline
+            if until is not None and until > end:
+                end = until
+            interval = self.attempt_timeout * (end - now) / self.deadline
+            return await Attempts(self, path, payload).run(end, interval)
         finally:
             limiter.release()
 
@@ -370,28 +398,9 @@ class EtcdClient:
             f"{self.deadline}s while this one waited to be sent"
         )
 
-    async def _attempts(self, path: str, payload: bytes) -> dict[str, Any]:
-        """Send one call, failing over between endpoints, until ``deadline``."""
-        last = "no attempt finished"
-        failures = 0
-        with trio.move_on_after(self.deadline):
-            while True:
-                index = self._current
-                endpoint = self.endpoints[index]
-                last = f"{endpoint}: no answer within {self.attempt_timeout}s"
-                with trio.move_on_after(self.attempt_timeout):
-                    try:
-                        return await self._post(endpoint, path, payload)
-                    except Retry as exc:
-                        last = str(exc)
-                self._log_failure(endpoint, last)
-                if self._current == index:  # another task may have moved on already
-                    self._current = (index + 1) % len(self.endpoints)
-                failures += 1
-                if failures % len(self.endpoints) == 0:
-                    await trio.sleep(_ROUND_BACKOFF)  # every member refused: don't spin
+    def _give_up(self, path: str, took: float, last: str) -> NoReturn:
         self._gave_up_at = trio.current_time()
-        raise EtcdUnavailable(f"etcd gave no answer to {path} within {self.deadline}s ({last})")
+        raise EtcdUnavailable(f"etcd gave no answer to {path} within {took:g}s ({last})")
 
     def _log_failure(self, endpoint: str, failure: str) -> None:
         """An endpoint that failed an attempt, with its URL and the cause, at most
@@ -400,8 +409,7 @@ class EtcdClient:
         fields = {"endpoint": endpoint, "cause": cause}
         self._failure_logs[endpoint]("etcd endpoint failed", fields=fields)
 
-    async def _post(self, endpoint: str, path: str, payload: bytes) -> dict[str, Any]:
-        status, content = await self._transport.post(endpoint, path, payload)
+    def _decoded(self, endpoint: str, status: int, content: bytes) -> dict[str, Any]:
         return _decode(endpoint, status, content)
 
     async def txn(
@@ -466,9 +474,12 @@ class EtcdClient:
         reply = await self.call("lease/grant", {"TTL": str(ttl)})
         return int(reply["ID"]), int(reply.get("TTL", 0))
 
-    async def lease_keepalive(self, lease: int) -> int:
-        """Remaining TTL in seconds; 0 means the lease is gone (expired or revoked)."""
-        reply = await self.call("lease/keepalive", {"ID": str(lease)}, urgent=True)
+    async def lease_keepalive(self, lease: int, *, until: float | None = None) -> int:
+        """Remaining TTL in seconds; 0 means the lease is gone (expired or revoked).
+        ``until``: a trio time up to which the answer is still of use (the lease's
+        local deadline), if later than the call's deadline (see :meth:`call`)."""
+        body = {"ID": str(lease)}
+        reply = await self.call("lease/keepalive", body, urgent=True, until=until)
         return int(reply.get("result", {}).get("TTL", 0))
 
     async def lease_revoke(self, lease: int) -> bool:
@@ -514,6 +525,10 @@ class Watch(AsyncIterator[list[Event]]):
     a "created" reply with a start revision: while catching up, those carry the
     store's current revision, ahead of the events delivered so far.
 
+    A connect that etcd does not answer in time is tried again on the next
+    endpoint with twice the time (see ``_connect_time``), so a watch connects over
+    a link slower than any fixed bound short of its silence.
+
     Limits: one consumer task. Without ``silence``, a member that hangs (SIGSTOP,
     silent partition) while serving an open stream stalls the watch until its
     connection breaks, because the stream has no read timeout.
@@ -540,6 +555,15 @@ class Watch(AsyncIterator[list[Event]]):
         #: are a replay of what happened before (see QueueMirror.catch_up_to).
         self.created_at = 0
         self._index = client._current
+        #: How long the next connect may take, until etcd's "created" reply: the
+        #: time between two attempts of a call first (a hung member costs no more
+        #: than it costs a call), twice as long after each that ran out, up to the longer of the
+        #: deadline and ``silence`` (over a slow link a connect takes two trips: a
+        #: fixed bound shorter than that would never connect).
+        self._connect_time = client.attempt_timeout
+        self._longest_connect = max(
+            client.deadline, client.attempt_timeout, 0 if silence is None else silence
+        )
         self._response: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
         self._closed = False
@@ -598,14 +622,17 @@ class Watch(AsyncIterator[list[Event]]):
             f"{self.endpoint}/v3/watch",
             content=json.dumps({"create_request": create}).encode(),
             headers=_HEADERS,
-            timeout=httpx.Timeout(client.attempt_timeout, read=None),
+            timeout=httpx.Timeout(self._connect_time, read=None),
         )
         response: httpx.Response | None = None
         # The headers come with the "created" reply; a hung member never sends them.
-        with trio.move_on_after(client.attempt_timeout):
+        with trio.move_on_after(self._connect_time):
             response = await client._http.send(request, stream=True)
         if response is None:
-            raise Retry(f"{self.endpoint}: watch not created in time")
+            took = self._connect_time
+            self._connect_time = min(2 * took, self._longest_connect)
+            raise Retry(f"{self.endpoint}: watch not created within {took:g}s")
+        self._connect_time = client.attempt_timeout
         self._response = response
         if response.status_code != 200:  # even a 4xx: the spec is "retry for ever"
             body = (await response.aread())[:200]
