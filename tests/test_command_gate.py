@@ -23,11 +23,16 @@ from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
+import trio
+
 from elockd.backend.interface import Backend
 from elockd.backend.memory import MemoryBackend
+from elockd.daemon.server import serve
+from elockd.net.serving import PausableService
 from elockd.protocol.commands import TABLE
 from elockd.protocol.config import Config
 from elockd.protocol.connection import TERSE, WORD, Command, Connection, Service, Streamed
+from tests.support.line_client import LineClient
 from tests.support.sansio import whole
 
 #: The backend verbs whose answer is about a hold: a grant, a token, a key's
@@ -240,3 +245,31 @@ def test_a_watch_refused_by_the_gate_ends_its_connection() -> None:
     backend.stale = True
     assert whole(conn.handle(b"watch", 0.0)) == WORD.unavailable
     assert conn.closing
+
+
+async def test_a_live_watch_stream_that_goes_stale_says_so_and_ends(
+    nursery: trio.Nursery,
+) -> None:
+    """Over a real socket: a watcher gets its events while the gate passes; once it
+    does not, the next event is not sent: ``409 Backend Unavailable`` is, then the
+    connection closes."""
+    config = Config(host="127.0.0.1", port=0, metrics_port=0)
+    backend = Lapsing(first_token=100)
+    service = PausableService(config, backend, {c.verb: c for c in TABLE})
+    addresses = await nursery.start(serve, config, service)
+    port = next(a[1] for a in addresses if isinstance(a, tuple))
+    watcher = LineClient(await trio.open_tcp_stream("127.0.0.1", port))
+    locker = LineClient(await trio.open_tcp_stream("127.0.0.1", port))
+    with trio.fail_after(5):
+        await watcher.send(b"watch\n")
+        assert await watcher.line() == b"200 Watching\r\n"
+        assert await watcher.line() == b"SYNCED\r\n"
+        assert await locker.request(b"iam x") == b"1 ok"
+        assert await locker.request(b"g a") == b"1 Got Lock"
+        assert await watcher.line() == b"+ a exclusive x token=100\r\n"
+        backend.stale = True
+        assert await locker.request(b"r a") == b"1 Released Lock"  # not gated
+        assert await watcher.line() == WORD.unavailable
+        assert await watcher.at_eof()
+    await watcher.aclose()
+    await locker.aclose()
