@@ -35,7 +35,6 @@ wires to its log records (:mod:`elockd.observe.logs`).
 
 from __future__ import annotations
 
-import functools
 import hmac
 import secrets
 from collections.abc import Callable, Iterator, Mapping
@@ -221,13 +220,13 @@ def gated(reply: Reply, refusal: bytes, stale: Stale, conn: Connection | None = 
     if isinstance(reply, Outcome):
         finish = reply.finish
 
-        @functools.wraps(finish)  # a hand-over names a waiting reply by what it wraps
         def checked(value: Any) -> bytes | Streamed:
             made = gated(finish(value), refusal, stale, conn)
             assert isinstance(made, bytes | Streamed)
             return made
 
-        reply.finish = checked
+        checked.__wrapped__ = finish  # type: ignore[attr-defined]  # a hand-over names
+        reply.finish = checked  # a waiting reply by what it wraps (inspect.unwrap)
         return reply
     if isinstance(reply, Streamed):
         return Streamed(_gated_chunks(reply.chunks, refusal, stale, conn))
