@@ -23,10 +23,13 @@ from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
+import pytest
 import trio
 
 from elockd.backend.interface import Backend
 from elockd.backend.memory import MemoryBackend
+from elockd.ctl.status import EXIT_ERROR
+from elockd.ctl.watch import print_events
 from elockd.daemon.server import serve
 from elockd.net.serving import PausableService
 from elockd.protocol.commands import TABLE
@@ -235,8 +238,8 @@ def test_a_streamed_listing_that_goes_stale_ends_with_the_refusal() -> None:
     assert first.startswith(b"key000000 exclusive=")
     backend.stale = True
     rest = b"".join(parts)
-    assert rest == WORD.unavailable
-    assert b"END" not in first + rest
+    assert rest == WORD.unavailable + b"END\r\n"  # a client reading to END stays in step
+    assert b"key004999" not in rest
 
 
 def test_a_watch_refused_by_the_gate_ends_its_connection() -> None:
@@ -273,3 +276,20 @@ async def test_a_live_watch_stream_that_goes_stale_says_so_and_ends(
         assert await watcher.at_eof()
     await watcher.aclose()
     await locker.aclose()
+
+
+async def test_elockctl_watch_says_why_the_server_ended_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``elockctl watch`` reads the refusal as the end of the stream, says why, and
+    exits 3 (it cannot tell what the table is), not printing it as an event."""
+    events = [b"+ a exclusive x token=1", b"409 Backend Unavailable"]
+
+    class Events:
+        async def event(self) -> bytes | None:
+            return events.pop(0) if events else None
+
+    assert await print_events(Events(), "127.0.0.1:9999") == EXIT_ERROR  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert "+ a exclusive x token=1" in out and "409" not in out
+    assert "the server ended the watch: 409 Backend Unavailable" in err

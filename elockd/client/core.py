@@ -762,13 +762,19 @@ def parse_lines(request: Request) -> list[bytes]:
 def parse_checked(request: Request) -> list[bytes]:
     """:func:`parse_lines`, but a reply that answers neither yes nor no raises: an
     auth refusal (:class:`AuthError`), a one-line refusal in place of a multi-line
-    reply, and a terse probe's (``g r i sg sr si``) other lines (:class:`RequestError`)."""
+    reply or as its last line before ``END`` (a listing cut midway), and a terse
+    probe's (``g r i sg sr si``) other lines (:class:`RequestError`)."""
     reply = request.reply
     verb = request_verb(request.line)
     if reply in AUTH_REFUSALS or (request.multiline and is_refusal(reply)):
         raise refusal(request)
     if verb in TERSE_ANSWERS and terse_answer(verb, reply) is None:
         raise refusal(request)
+    lines = request.lines
+    if request.multiline and len(lines) >= 2 and lines[-1] == b"END" and is_refusal(lines[-2]):
+        # A cluster node that stopped vouching for its holds midway (the deadline
+        # gate): the rows before the refusal are not the whole table.
+        raise RequestError(f"{printable(verb)}: {printable(lines[-2])}", lines[-2])
     return parse_lines(request)
 
 

@@ -210,8 +210,8 @@ def gated(reply: Reply, refusal: bytes, stale: Stale, conn: Connection | None = 
       not sent after it;
     * a :class:`Streamed` reply (``d``, ``ls``, ``who``, a ``watch`` snapshot):
       checked before each chunk goes out; a stale one ends the reply with
-      ``refusal`` in place of the rest (and of its ``END``), so a client can tell
-      it from rows. A ``watch`` refused so ends its connection.
+      ``refusal`` in place of the rest (see :func:`_gated_chunks`), so a client can
+      tell it from rows. A ``watch`` refused so ends its connection.
 
     ``refusal`` is the family's (``0 Backend Unavailable``, ``409 Backend
     Unavailable``). A stale backend's reply is never the stale hold."""
@@ -233,16 +233,28 @@ def gated(reply: Reply, refusal: bytes, stale: Stale, conn: Connection | None = 
     return reply  # Delayed: a wrong auth token, about no hold
 
 
+#: What closes a listing the gate cut after some of its rows went out.
+CUT_END = b"END\r\n"
+
+
 def _gated_chunks(
     chunks: Iterator[bytes], refusal: bytes, stale: Stale, conn: Connection | None
 ) -> Iterator[bytes]:
-    """Each chunk once made and checked; once stale, ``refusal`` and nothing more."""
+    """Each chunk once made and checked. Once stale: before anything was sent,
+    ``refusal`` alone (the one-line refusal a client expects in place of a
+    listing); midway, ``refusal`` then ``END``, so that a client reading up to
+    ``END`` stays in step, and sees the refusal as the listing's last line (no row
+    looks like it). A ``watch`` gets the refusal alone, and its connection ends."""
+    started = False
     for chunk in chunks:
         if stale():
             if conn is not None and conn.watcher is not None:
                 conn.closing = True  # a watch that cannot vouch for its stream ends
-            yield refusal
+                yield refusal
+            else:
+                yield refusal + CUT_END if started else refusal
             return
+        started = started or bool(chunk)
         yield chunk
 
 
