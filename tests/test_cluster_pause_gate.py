@@ -34,16 +34,20 @@ READERS = 6  # per verb: enough that a read is in flight whenever A is stopped
 
 
 async def ask_forever(client: LineClient, line: bytes, heard: list[tuple[float, bytes]]) -> None:
-    """Send ``line``, read the reply (to ``END`` or a refusal), again, until the
-    connection ends; every line with the time it was received."""
+    """Send ``line``, read the reply (an ``ls`` to ``END``, or its one-line refusal),
+    again, until the connection ends; every line with the time it was received."""
     try:
         while True:
             await client.send(line + b"\n")
+            first = True
             while True:
                 reply = await client.line()
                 heard.append((trio.current_time(), reply))
-                if not line.startswith(b"ls") or reply == b"END\r\n" or reply[:1] in b"04":
+                if not line.startswith(b"ls") or reply == b"END\r\n":
                     break
+                if first and reply.startswith(b"409 "):
+                    break  # refused before any row: no END follows
+                first = False
     except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
         return
 
