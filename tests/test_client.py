@@ -599,6 +599,15 @@ def test_checked_replies() -> None:
         answered(b"i k", b"0 Backend Unavailable\r\n").finish()
     with pytest.raises(RequestError, match="Backend Unavailable"):
         answered(b"d", b"0 Backend Unavailable\r\n").finish()
+    # A listing a cluster node's deadline gate cut midway: rows, the refusal, END.
+    with pytest.raises(RequestError, match="ls: 409 Backend Unavailable"):
+        answered(
+            b"ls",
+            b"k exclusive=o shared=0 waiting=0 age=1.000 token=5 ttl=-\r\n"
+            b"409 Backend Unavailable\r\nEND\r\n",
+        ).finish()
+    with pytest.raises(RequestError, match="d: 0 Backend Unavailable"):
+        answered(b"d", b"k: o\r\n0 Backend Unavailable\r\nEND\r\n").finish()
     # A word verb's refusal is an answer (409: no); only auth refusals raise.
     assert answered(b"lock k", b"409 Unavailable\r\n").finish() == [b"409 Unavailable"]
 

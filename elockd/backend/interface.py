@@ -236,6 +236,17 @@ class Backend(ABC):
     @abstractmethod
     def info(self, key: bytes, now: float) -> Result[KeyInfo]: ...
 
+    # The deadline gate: every reply that confirms, describes or lists a hold passes
+    # it after the last await of its request (elockd.protocol.connection.gated).
+    def deadline_gate(self) -> Callable[[], bool] | None:
+        """What the gate asks, as late as it can, before a reply about a hold is
+        sent: True when this backend can no longer vouch for its answers about
+        holds (a cluster node past its lease's local deadline, or without a
+        lease), and the reply becomes the family's refusal. None when every answer
+        holds good whenever it is sent (one process's memory decides alone): then
+        no reply pays for a check at all."""
+        return None
+
     # ``watch`` (elockd.engine.watchers): the backend reports every grant and free
     # to ``books.watchers``; a new watcher first gets a snapshot, from here.
     def watch_keys(self, prefix: bytes, after: bytes | None, count: int) -> list[bytes]:

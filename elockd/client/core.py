@@ -42,7 +42,7 @@ from elockd.client.errors import (
     RequestError,
     Unavailable,
 )
-from elockd.client.replies import ReplyReader, is_refusal
+from elockd.client.replies import ReplyReader, cut_with, is_refusal
 
 # Where they were first defined: elockctl and the tests import them from here.
 from elockd.client.replies import printable as printable
@@ -760,15 +760,16 @@ def parse_lines(request: Request) -> list[bytes]:
 
 
 def parse_checked(request: Request) -> list[bytes]:
-    """:func:`parse_lines`, but a reply that answers neither yes nor no raises: an
-    auth refusal (:class:`AuthError`), a one-line refusal in place of a multi-line
-    reply, and a terse probe's (``g r i sg sr si``) other lines (:class:`RequestError`)."""
+    """:func:`parse_lines`, but an auth refusal raises :class:`AuthError`, and a refusal of a
+    listing or cutting it (:func:`cut_with`), or a terse probe's other lines, RequestError."""
     reply = request.reply
     verb = request_verb(request.line)
     if reply in AUTH_REFUSALS or (request.multiline and is_refusal(reply)):
         raise refusal(request)
     if verb in TERSE_ANSWERS and terse_answer(verb, reply) is None:
         raise refusal(request)
+    if request.multiline and (cut := cut_with(request.lines)) is not None:
+        raise RequestError(f"{printable(verb)}: {printable(cut)}", cut)
     return parse_lines(request)
 
 

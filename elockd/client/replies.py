@@ -68,6 +68,16 @@ def is_refusal(line: bytes) -> bool:
     return line in ONE_LINE_REFUSALS or line.startswith(b"400 ")
 
 
+def cut_with(lines: list[bytes]) -> bytes | None:
+    """The refusal that cut a multi-line reply midway, or None: a cluster node that
+    stopped vouching for its holds while it listed them (its deadline gate) sends
+    the refusal as the last line before ``END``, so the rows before it are not the
+    whole table. No row looks like a refusal."""
+    if len(lines) >= 2 and lines[-1] == b"END" and is_refusal(lines[-2]):
+        return lines[-2]
+    return None
+
+
 class ReplyReader:
     """Replies out of received bytes, one at a time, in order.
 

@@ -31,7 +31,8 @@ then '+ KEY exclusive OWNER token=T', '+ KEY shared OWNER holders=N',
 exit status: 0 stopped with Ctrl-C; 1 the server ended the watch with OVERFLOW
 (this reader fell more than the server's --watch-buffer behind); 3 could not
 tell: no server, a token wanted or refused, '413 Too Many Watchers', the
-connection lost.
+connection lost, '409 Backend Unavailable' (a cluster node that can no longer
+vouch for its lock table).
 """
 
 KILL_EPILOG = """\

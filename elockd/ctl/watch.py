@@ -11,7 +11,8 @@ reader and the events as lines. Exit statuses:
 * 1 when the server sends ``OVERFLOW`` (this reader fell more than the server's
   ``--watch-buffer`` behind) and closes: one line says so;
 * 3 when it cannot tell: no server, a token wanted or refused, ``413 Too Many
-  Watchers``, or the connection lost.
+  Watchers``, the connection lost, or ``409 Backend Unavailable`` (a cluster node
+  that can no longer vouch for its lock table refuses the watch, or ends it so).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import trio
 
 from elockd.client import AuthError, Client, ConnectionLost, RequestError
 from elockd.client.base import describe
-from elockd.client.core import AUTH_REFUSALS, auth_line, encode_key, printable
+from elockd.client.core import AUTH_REFUSALS, BACKEND_UNAVAILABLE, auth_line, encode_key, printable
 from elockd.client.errors import ReplyTimeout
 from elockd.client.replies import ReplyReader
-from elockd.ctl.status import EXIT_FALSE, say, where
+from elockd.ctl.status import EXIT_ERROR, EXIT_FALSE, say, where
 
 #: The longest event line taken (a key and an owner name are far shorter).
 MAX_EVENT_LINE = 1 << 20
@@ -130,6 +131,12 @@ async def print_events(events: EventStream, server: str) -> int:
                 "than the server's --watch-buffer behind; watch a narrower PREFIX)"
             )
             return EXIT_FALSE
+        if line == BACKEND_UNAVAILABLE:
+            say(
+                f"{server}: the server ended the watch: {printable(line)} (a cluster node "
+                "that can no longer vouch for its lock table: cut off from etcd?)"
+            )
+            return EXIT_ERROR
         out.write(f"{stamp()} {printable(line)}\n")
         out.flush()
 

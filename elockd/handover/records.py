@@ -23,7 +23,7 @@ from elockd.engine.watchers import Watcher
 from elockd.handover.parked import Backlog, Parked
 from elockd.net.transport import Transport
 from elockd.protocol.commands import COMMANDS
-from elockd.protocol.connection import WORD, Connection, Outcome, Service
+from elockd.protocol.connection import WORD, Connection, Outcome, Service, gated
 from elockd.protocol.framing import LineReader
 
 #: What the stream is, the version of it this code writes, and the versions it
@@ -199,7 +199,10 @@ def rebuild_connections(
                 finish = COMMANDS[reply.encode()].wait_reply
                 if finish is None:
                     raise StateError(f"a waiting request of a verb that never waits: {reply}")
-                backlog.pending = Outcome(pending_later(ref), finish, WORD, peer)
+                pending = Outcome(pending_later(ref), finish, WORD, peer)
+                if service.stale is not None:  # a grant is about a hold: the gate
+                    gated(pending, WORD.unavailable, service.stale, conn)
+                backlog.pending = pending
         reader = LineReader(service.config.max_line)
         reader.resume(raw(record["partial"]), record["discarding"])
         transport = transports[fd]

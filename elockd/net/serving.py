@@ -208,7 +208,7 @@ async def _serve_requests(
                 backlog.answered()
                 if not delivered:
                     return  # the client left while its request waited
-                if conn.watcher is not None:  # `watch`: the connection is a stream now
+                if conn.watcher is not None and not conn.closing:  # `watch`: a stream now
                     if after < len(lines):
                         await transport.send(BYE)  # a line after watch ends it at once
                         return

@@ -17,6 +17,13 @@ Past it the engine drops them and stops reporting to the watcher; the drainer
 sends what it had in flight and ``OVERFLOW`` (within ``--send-timeout``, as any
 reply), and the connection closes.
 
+Events describe holds, so they pass the deadline gate (the service's ``stale``,
+:func:`elockd.protocol.connection.gated`) before each send: a cluster node that can
+no longer vouch for them (past its lease's local deadline, or without a lease: the
+backend wakes its watchers when that happens) sends ``409 Backend Unavailable``
+in place of them, and the connection closes. A client watches again; a node that
+cannot vouch refuses the new ``watch`` the same way until it can.
+
 A hand-over's pause stops the stream between two sends: the connection parks with
 its events still queued (and, on a socket, the bytes of a send cut short), and they
 move with it to the successor (:mod:`elockd.handover.records`). Nothing is
@@ -26,13 +33,14 @@ reported meanwhile: the tables stand still.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import trio
 
 from elockd.engine.watchers import OVERFLOW, Watcher
 from elockd.handover.parked import Parked
 from elockd.handover.pause import Interrupted, Pause
-from elockd.protocol.connection import Connection
+from elockd.protocol.connection import WORD, Connection
 
 #: Bytes of events handed to the transport per send (a WebSocket message each).
 BATCH_BYTES = 65536
@@ -45,6 +53,7 @@ class End(enum.Enum):
     GONE = enum.auto()  # the peer closed
     BYE = enum.auto()  # the peer sent a line
     OVERFLOWED = enum.auto()
+    STALE = enum.auto()  # the deadline gate: the node can no longer vouch for them
     PAUSED = enum.auto()  # a hand-over's pause: park, then go on (or move)
 
 
@@ -57,7 +66,7 @@ async def serve_watch(conn: Connection, rest: Parked, pause: Pause[Parked]) -> N
         if pause.requested:
             await pause.park(rest)  # HandedOver: the successor streams on
             continue
-        end = await _stream(watcher, rest, pause)
+        end = await _stream(watcher, rest, pause, conn.service.stale)
         if end is not End.PAUSED:
             break
     conn.closing = True
@@ -65,10 +74,15 @@ async def serve_watch(conn: Connection, rest: Parked, pause: Pause[Parked]) -> N
         await transport.send(OVERFLOW)
     elif end is End.BYE:
         await transport.send(BYE)
+    elif end is End.STALE:
+        await transport.send(WORD.unavailable)
 
 
-async def _stream(watcher: Watcher, rest: Parked, pause: Pause[Parked]) -> End:
-    """Run the reader and the drainer until one of them ends the stream."""
+async def _stream(
+    watcher: Watcher, rest: Parked, pause: Pause[Parked], stale: Callable[[], bool] | None
+) -> End:
+    """Run the reader and the drainer until one of them ends the stream. ``stale``:
+    the deadline gate, asked before each wait and each send (None: never stale)."""
     end = End.GONE
     transport, reader = rest.transport, rest.reader
 
@@ -94,6 +108,8 @@ async def _stream(watcher: Watcher, rest: Parked, pause: Pause[Parked]) -> End:
                 return stop(End.OVERFLOWED)
             if pause.requested:
                 return stop(End.PAUSED)
+            if stale is not None and stale():
+                return stop(End.STALE)
             if not watcher.lines:
                 woken = trio.Event()
                 watcher.wake = woken.set

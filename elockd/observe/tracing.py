@@ -83,6 +83,7 @@ def traced(command: Command) -> Command:
         raw=True,
         secret=secret,
         wait_reply=command.wait_reply,
+        holds=command.holds,  # its call is the gated one already: the mark goes along
     )
 
 

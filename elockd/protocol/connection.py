@@ -16,6 +16,13 @@ A reply is one of:
   chunk at a time as fast as the client reads;
 * :class:`Delayed`: a reply held back on purpose (a wrong ``auth`` token).
 
+Every reply that confirms, describes or lists a hold passes one check, the
+*deadline gate* (:func:`gated`), after the last await of its request: a cluster
+node past its lease's local deadline answers the family's refusal instead
+(``0 Backend Unavailable`` / ``409 Backend Unavailable``), never a hold it may no
+longer have. The table marks which verbs answer about holds (``holds=True``); the
+:class:`Service` puts exactly those behind the gate, once, when it is made.
+
 The verbs come from a declarative table (:mod:`elockd.protocol.commands`) that the caller
 passes in: each :class:`Command` declares its family, arguments, whether it needs
 ``auth``, and its handler. The dispatcher counts the verb, splits a word request's
@@ -188,6 +195,67 @@ Reply = bytes | Outcome | Streamed | Delayed
 #: A handler: (connection, what follows the verb, now) for the terse family, and
 #: (connection, the split arguments, now) for the word family.
 Handler = Callable[["Connection", Any, float], Reply]
+#: A backend's deadline gate (:meth:`~elockd.backend.interface.Backend.deadline_gate`):
+#: True when the backend can no longer vouch for what it would say about a hold.
+Stale = Callable[[], bool]
+
+
+def gated(reply: Reply, refusal: bytes, stale: Stale, conn: Connection | None = None) -> Reply:
+    """The deadline gate: ``reply``, about a hold, as it may be sent, checked at the
+    last moment before it is sent and after every await of its request.
+
+    * bytes: checked now (the handler answered at once, nothing was awaited);
+    * an :class:`Outcome`: checked when its value has come, as it is made into the
+      reply (its ``finish``), so a backend answer that came just before a pause is
+      not sent after it;
+    * a :class:`Streamed` reply (``d``, ``ls``, ``who``, a ``watch`` snapshot):
+      checked before each chunk goes out; a stale one ends the reply with
+      ``refusal`` in place of the rest (see :func:`_gated_chunks`), so a client can
+      tell it from rows. A ``watch`` refused so ends its connection.
+
+    ``refusal`` is the family's (``0 Backend Unavailable``, ``409 Backend
+    Unavailable``). A stale backend's reply is never the stale hold."""
+    if isinstance(reply, bytes):
+        return refusal if reply and stale() else reply
+    if isinstance(reply, Outcome):
+        finish = reply.finish
+
+        def checked(value: Any) -> bytes | Streamed:
+            made = gated(finish(value), refusal, stale, conn)
+            assert isinstance(made, bytes | Streamed)
+            return made
+
+        checked.__wrapped__ = finish  # type: ignore[attr-defined]  # a hand-over names
+        reply.finish = checked  # a waiting reply by what it wraps (inspect.unwrap)
+        return reply
+    if isinstance(reply, Streamed):
+        return Streamed(_gated_chunks(reply.chunks, refusal, stale, conn))
+    return reply  # Delayed: a wrong auth token, about no hold
+
+
+#: What closes a listing the gate cut after some of its rows went out.
+CUT_END = b"END\r\n"
+
+
+def _gated_chunks(
+    chunks: Iterator[bytes], refusal: bytes, stale: Stale, conn: Connection | None
+) -> Iterator[bytes]:
+    """Each chunk once made and checked. Once stale: before anything was sent,
+    ``refusal`` alone (the one-line refusal a client expects in place of a
+    listing); midway, ``refusal`` then ``END``, so that a client reading up to
+    ``END`` stays in step, and sees the refusal as the listing's last line (no row
+    looks like it). A ``watch`` gets the refusal alone, and its connection ends."""
+    started = False
+    for chunk in chunks:
+        if stale():
+            if conn is not None and conn.watcher is not None:
+                conn.closing = True  # a watch that cannot vouch for its stream ends
+                yield refusal
+            else:
+                yield refusal + CUT_END if started else refusal
+            return
+        started = started or bool(chunk)
+        yield chunk
 
 
 def answer(
@@ -212,6 +280,7 @@ class Command:
         "call",
         "family",
         "handler",
+        "holds",
         "needs_auth",
         "options",
         "raw",
@@ -232,11 +301,15 @@ class Command:
         raw: bool = False,
         secret: bool = False,
         wait_reply: Callable[[Any], bytes] | None = None,
+        holds: bool = False,
     ) -> None:
         """``raw``: a word verb whose handler takes the rest of the line as it is
         (``auth``: a token may hold blanks). ``secret``: its arguments or its reply
-        carry a bearer secret (a token, a session id), which no log may show."""
+        carry a bearer secret (a token, a session id), which no log may show.
+        ``holds``: its reply confirms, describes or lists a hold, so it passes the
+        deadline gate (:func:`gated`; tests/test_command_gate.py checks the table)."""
         self.verb = verb
+        self.holds = holds
         self.family = family
         self.handler = handler
         self.arguments = arguments
@@ -257,6 +330,25 @@ class Command:
     def _split_then_handle(self, conn: Connection, rest: bytes, now: float) -> Reply:
         args = Args(rest, self.options, self.arguments, conn.service.config.max_ttl)
         return self.handler(conn, args, now)
+
+    def marked(self, holds: bool) -> Command:
+        """This row as it is, with its ``holds`` mark set to ``holds``."""
+        copy = object.__new__(Command)
+        for name in Command.__slots__:
+            setattr(copy, name, getattr(self, name))
+        copy.holds = holds
+        return copy
+
+    def behind(self, stale: Stale) -> Command:
+        """This verb with its every reply passed through the deadline gate."""
+        copy = self.marked(self.holds)
+        call, refusal = self.call, self.family.unavailable
+
+        def checked(conn: Connection, rest: bytes, now: float) -> Reply:
+            return gated(call(conn, rest, now), refusal, stale, conn)
+
+        copy.call = checked
+        return copy
 
 
 def _refused_before_auth(command: Command) -> Command:
@@ -282,6 +374,15 @@ class Service:
         operator's, which alone may ``kill`` (``--admin-token-file``)."""
         self.config = config
         self.backend = backend
+        #: The backend's deadline gate; None (in memory): every answer holds good
+        #: when it is sent, and no verb pays for a check.
+        self.stale = backend.deadline_gate()
+        if self.stale is not None:
+            stale = self.stale
+            commands = {
+                verb: command.behind(stale) if command.holds else command
+                for verb, command in commands.items()
+            }
         self.commands = commands
         # Runs beside the listeners for the server's lifetime (the cluster's watch
         # and keepalives), started before the first connection is accepted.

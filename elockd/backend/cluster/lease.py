@@ -131,6 +131,15 @@ class NodeLease:
         if session.lost or self.past_deadline():
             raise BackendUnavailable("session lost: this node's etcd lease ran out")
 
+    def cannot_vouch(self) -> bool:
+        """The deadline gate (:meth:`~elockd.backend.interface.Backend.deadline_gate`),
+        asked after the last await of every reply about a hold: True past the local
+        deadline (the sessions are then lost, as at the timer), and True without a
+        lease (lost, and no new one yet: etcd may not be answering, and the node's
+        copy of the queues may be frozen at the moment it was cut off)."""
+        self.check_expiry()
+        return not self.id or trio.current_time() >= self.deadline
+
     async def wait_for_lease(self) -> None:
         """Return once the node has a lease, waiting up to the etcd deadline while
         it gets a new one: a node that finds its lease gone (after a pause, or an

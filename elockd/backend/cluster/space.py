@@ -104,7 +104,7 @@ class ClusterLockSpace(Backend):
         # nothing of etcd, and the lease and the records tell it of a session lost
         # with the lease or moved to another node.
         self.loss = loss = SessionLoss(calls, ledger, session_ttl)
-        self.lease = lease = NodeLease(calls, session_ttl, loss.lose_all)
+        self.lease = lease = NodeLease(calls, session_ttl, self._lose_all)
         self.records = records = SessionRecords(calls, ledger, layout, lease, node_id, loss.moved)
         self.ends = ends = SessionEnds(calls, ledger, lease, records, mirror)
         self.takeover = Takeover(calls, ledger, layout, mirror, lease, records, ends)
@@ -132,6 +132,18 @@ class ClusterLockSpace(Backend):
     @property
     def books(self) -> Ledger:
         return self.ledger
+
+    def _lose_all(self, why: str) -> None:
+        """The lease is gone (or may be): every session under it is lost, and every
+        watcher is woken, so that its stream says it can no longer vouch for what
+        it shows (the deadline gate) rather than stay silent."""
+        self.loss.lose_all(why)
+        for watcher in self.ledger.watchers.all():
+            if watcher.wake is not None:
+                watcher.wake()
+
+    def deadline_gate(self) -> Callable[[], bool]:
+        return self.lease.cannot_vouch
 
     def background(self) -> Callable[..., Awaitable[None]]:
         """Join, then the watch, the heartbeat, the keepalives and the sweep."""

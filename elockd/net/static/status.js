@@ -23,6 +23,8 @@
   const Q_INTERVAL = 5000; // ms: the server's counters, read at most this often
   const FILTER_DELAY = 400; // ms of no typing before the watch moves to a new prefix
   const RETRY_FIRST = 1000;
+  const UNAVAILABLE = "409 Backend Unavailable"; // a cluster node that cannot vouch
+  const NO_VOUCH = "the node cannot vouch for its lock table now (cut off from etcd?)";
   const RETRY_MAX = 15000;
 
   const $ = (id) => document.getElementById(id);
@@ -489,10 +491,16 @@
             return askToken("");
           } else if (line.startsWith("413") || line.startsWith("0 Too Many")) {
             return retry(`the server refused: ${line}`);
+          } else if (line === UNAVAILABLE) {
+            return retry(NO_VOUCH);
           } else {
             stop();
             return setState(`the server cannot watch (${line}): is it an elockd with watch?`, "error", true);
           }
+        } else if (line === UNAVAILABLE) {
+          // The deadline gate: the node can no longer vouch for the table (cut off
+          // from etcd, or past its lease's deadline). The stream ends here.
+          return retry(NO_VOUCH);
         } else if (phase === "snapshot") {
           if (line === "SYNCED") {
             phase = "live";
