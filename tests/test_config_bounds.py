@@ -352,3 +352,19 @@ def test_the_unix_path_bound_is_the_kernels(tmp_path: Path) -> None:
             else:
                 with pytest.raises(OSError):
                     sock.bind(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "named"),
+    [
+        (["--throttle-line-grace", "5"], {}, "--throttle-line-grace 5: not under --session-ttl 5"),
+        ([], {"ELOCKD_THROTTLE_LINE_GRACE": "6"}, "ELOCKD_THROTTLE_LINE_GRACE 6: not under"),
+        (["--session-ttl", "3"], {"ELOCKD_THROTTLE_LINE_GRACE": "4"}, "under --session-ttl 3"),
+    ],
+)
+def test_a_pair_that_cannot_go_together_names_each_setting_as_it_was_given(
+    argv: list[str], environ: dict[str, str], named: str
+) -> None:
+    """A setting given as a variable is named as the variable, not as a flag the
+    operator never typed."""
+    assert named in refused_in_process(argv, environ)

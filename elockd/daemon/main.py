@@ -44,6 +44,7 @@ from elockd.daemon.bounds import (
     check_text,
     check_unix_path,
 )
+from elockd.daemon.combinations import COMMAND_LINE, ENV_PREFIX, ENVIRONMENT, combination_problem
 from elockd.daemon.logs import (
     FORMATS,
     LEVELS,
@@ -53,14 +54,13 @@ from elockd.daemon.logs import (
     log_startup_failure,
     log_stop,
 )
-from elockd.daemon.server import MAX_CLUSTER_KEYS, run_until_signal
+from elockd.daemon.server import run_until_signal
 from elockd.daemon.startup import StartupError, find, one_line, shown
 from elockd.protocol.config import Config
 from elockd.protocol.replies import STYLES
 
 log = logging.getLogger("elockd")
 
-ENV_PREFIX = "ELOCKD_"
 #: Settings that are not Config fields but may still be given: the deprecated alias.
 ALIASES = frozenset({"grace_ms"})
 
@@ -705,37 +705,20 @@ def load_config(
             raise UsageError(f"{ENV_PREFIX}CONFIG: {error}") from None
     sources = [
         (from_file(config_file, actions) if config_file else {}, f"--config {config_file}"),
-        (from_environment(actions, environ, notes), "the environment"),
-        (flags, "the command line"),
+        (from_environment(actions, environ, notes), ENVIRONMENT),
+        (flags, COMMAND_LINE),
     ]
     settings: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # the form each setting was given in, for its errors
     for source, where in sources:
         apply_alias(source, where, notes)
         settings.update(source)
+        origin.update((key, where) for key in source)
     config = Config(**settings)
-    check_combinations(config)
+    problem = combination_problem(config, origin)
+    if problem is not None:
+        raise UsageError(problem)
     return config, notes
-
-
-def check_combinations(config: Config) -> None:
-    if (config.tls_key or config.tls_client_ca) and not config.tls_cert:
-        raise UsageError("--tls-key and --tls-client-ca need --tls-cert")
-    if config.grace > config.max_ttl:
-        # set_timeout refuses more than --max-ttl; the default must not be more either.
-        raise UsageError(f"--grace {config.grace:g}: above --max-ttl {config.max_ttl:g}")
-    if config.throttle_line_grace >= config.session_ttl:
-        # A head held for longer is freed by its node's lease running out anyway.
-        raise UsageError(
-            f"--throttle-line-grace {config.throttle_line_grace:g}: "
-            f"not under --session-ttl {config.session_ttl}"
-        )
-    if config.etcd and config.max_keys > MAX_CLUSTER_KEYS:
-        # One mlock is one etcd txn: a put and a count per key, and etcd's default
-        # --max-txn-ops is 128.
-        raise UsageError(
-            f"--max-keys {config.max_keys}: at most {MAX_CLUSTER_KEYS} with --etcd "
-            "(one mlock is one etcd transaction)"
-        )
 
 
 # ------------------------------------------------------------ main
