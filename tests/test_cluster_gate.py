@@ -49,6 +49,16 @@ async def reply_to(conn: Connection, line: bytes) -> bytes:
     return reply
 
 
+def etcd_at(space: ClusterLockSpace, ahead: int = 0) -> None:
+    """etcd answers ``ls``'s read of its revision: the node's copy's, plus ``ahead``
+    revisions its watch has not brought (a stalled watch)."""
+
+    async def revision(key: bytes) -> int:
+        return space.mirror.revision + ahead
+
+    space.calls.revision = revision  # type: ignore[method-assign]
+
+
 def paused_read(space: ClusterLockSpace) -> None:
     """``info``'s etcd reads answer that another client holds ``k`` (token from
     revision 10); then the process stops until past the node's deadline."""
@@ -99,6 +109,7 @@ async def test_ls_past_the_deadline_says_so(mock_clock: trio.testing.MockClock) 
     from etcd, its copy frozen) it answers the refusal, not the rows; and it stays
     refused while the node has no new lease."""
     space, conn = node()
+    etcd_at(space)
     space.mirror.apply([put(b"k", 3, 10)])
     listed = await reply_to(conn, b"ls")
     assert listed.startswith(b"k exclusive=o ") and listed.endswith(b"END\r\n")
@@ -107,6 +118,24 @@ async def test_ls_past_the_deadline_says_so(mock_clock: trio.testing.MockClock) 
     assert space.lease.id == 0  # the sessions were lost with the lease
     assert await reply_to(conn, b"ls") == WORD.unavailable
     space.lease.renewed(8, trio.current_time(), TTL)  # etcd answers again
+    assert (await reply_to(conn, b"ls")).startswith(b"k exclusive=o ")
+    await space.client.aclose()
+
+
+async def test_ls_on_a_node_whose_watch_stalled_says_so(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A node whose lease lives but whose watch stalled (on a paused etcd member)
+    has a copy that stopped moving: ``ls`` asks etcd's revision first and waits for
+    the copy to reach it, so it answers the refusal after ``--etcd-timeout``, not
+    rows another node may have changed meanwhile."""
+    space, conn = node()
+    space.mirror.apply([put(b"k", 3, 10)])
+    etcd_at(space, ahead=3)
+    asked = trio.current_time()
+    assert await reply_to(conn, b"ls") == WORD.unavailable
+    assert trio.current_time() - asked == space.calls.deadline
+    etcd_at(space)  # the watch caught up
     assert (await reply_to(conn, b"ls")).startswith(b"k exclusive=o ")
     await space.client.aclose()
 

@@ -87,6 +87,12 @@ class Calls:
     ) -> tuple[int, list[KeyValue], int]:
         return await self._answer(self._client.get(key, range_end, sort_by_create=sort_by_create))
 
+    async def revision(self, key: bytes) -> int:
+        """etcd's current revision, from a linearizable read of ``key``'s count
+        (nothing of its value travels)."""
+        revision, _, _ = await self._answer(self._client.get(key, count_only=True))
+        return revision
+
     async def put(self, key: bytes, value: bytes, lease: int = 0, *, urgent: bool = False) -> int:
         return await self._answer(self._client.put(key, value, lease, urgent=urgent))
 

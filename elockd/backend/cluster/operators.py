@@ -1,7 +1,8 @@
 """``ls``, ``watch`` and ``kill`` on a cluster node (docs/cluster.md, "Operators on
 a cluster").
 
-``ls`` and ``watch`` read the node's mirror of the queues (:mod:`.mirror`) and cost
+``ls`` and ``watch`` read the node's mirror of the queues (:mod:`.mirror`); ``ls``
+first waits for it to reach etcd's revision (one count-only read), ``watch`` costs
 etcd nothing. The mirror says, after each revision its watch brings, which entries
 began and stopped holding in it (every node sees the same revisions in the same
 order), and this module turns that into:
@@ -274,9 +275,14 @@ class ClusterOperators:
         return lines
 
     async def listing(self, prefix: bytes, older: float | None, limit: int | None) -> KeyRows:
-        """``ls``, once the mirror shows every change this node has told a client
-        of (a lock granted here a moment ago is listed)."""
-        await self.reached(self.calls.latest)
+        """``ls``, once the mirror shows every change etcd had made when the ``ls``
+        came (a lock granted a moment ago, here or on another node, is listed). etcd
+        tells its current revision in a read only a member with quorum can answer,
+        so a node cut from etcd, or whose watch has stalled on a paused member while
+        its lease lives, answers ``Backend Unavailable`` after ``--etcd-timeout``
+        rather than rows from a copy that stopped moving."""
+        current = await self.calls.revision(self.layout.killed)
+        await self.reached(max(current, self.calls.latest))
         return rows_in_batches(self.mirror.names.starting_with(prefix), self.row, older, limit)
 
     def row(self, key: bytes) -> KeyRow | None:
