@@ -1,0 +1,274 @@
+"""The nemesis: schedules of mixed faults against two cluster nodes, checked.
+
+One lab (tests/support/partition_lab.py: 3 etcd members, nodes A and B, the
+clients, a switch) serves every schedule; each schedule gets fresh nodes on a
+fresh key prefix. Both nodes run under libfaketime with a clock file
+(tests/support/skewed_clock.py's library), so a schedule can jump a node's wall
+clock while it runs; node A reaches etcd through the lab's delay proxy. Per
+schedule: the clients (tests/support/nemesis_clients.py) run for a second, the
+schedule's faults (tests/support/nemesis_schedule.py) come and go, every fault
+is lifted, the clients go on for TTL + 1 s, every key is probed, and the one
+checker (tests/support/nemesis_checker.py) reads the history.
+
+``python -m tests.support.nemesis_run [--schedules N] [--seed S] [--ttl T]
+[--planted]`` runs N schedules from seed S on, prints each schedule, the seed
+range, the count and every violation with its key's timeline; exit 1 if any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from tests.support.nemesis_checker import Violation, check, report
+from tests.support.nemesis_clients import Clients
+from tests.support.nemesis_history import Fault, History
+from tests.support.nemesis_schedule import Schedule, Step, schedule
+from tests.support.partition_lab import MEMBERS, Lab, LabNode, lab, why_no_lab
+from tests.support.skewed_clock import libfaketime
+
+ADMIN_TOKEN = "nemesis-admin-token"
+#: Seconds of clients before the first fault.
+WARM_UP = 1.0
+
+
+@dataclass
+class Outcome:
+    schedule: Schedule
+    history: History
+    violations: list[Violation]
+    seconds: float
+
+    def summary(self) -> str:
+        exchanges = len(self.history.exchanges)
+        return (
+            f"{self.schedule} -> {exchanges} exchanges, {len(self.violations)} violation(s) "
+            f"in {self.seconds:.1f} s"
+        )
+
+
+class Faults:
+    """Sets and lifts the schedule's faults on the lab, recording each in the
+    history. Cuts are kept as a set and the switch's rules rebuilt from it, so
+    overlapping cuts lift one by one."""
+
+    def __init__(self, lab: Lab, nodes: dict[str, LabNode], clocks: dict[str, Path]) -> None:
+        self.lab, self.nodes, self.clocks = lab, nodes, clocks
+        self.cuts: list[tuple[str, str]] = []  # (node, mode) in force
+
+    def apply_cuts(self) -> None:
+        lab = self.lab
+        lab.nft("flush chain bridge cuts forward\n")
+        down = {node for node, mode in self.cuts if mode == "down"}
+        for node in self.nodes:
+            lab.link(f"{node}-b", node not in down)
+        for node, mode in self.cuts:
+            if mode == "loss":
+                lab.drop([f"{node}-b"], [f"{m}-b" for m in MEMBERS])
+            elif mode == "oneway":
+                members = ", ".join(f'"{m}-b"' for m in MEMBERS)
+                lab.nft(
+                    f'add rule bridge cuts forward iifname "{node}-b" '
+                    f"oifname {{ {members} }} drop\n"
+                )
+        if lab.proxy is not None:
+            lab.proxy.delay = 2.0 if ("a", "delay") in self.cuts else 0.0
+
+    async def step(
+        self, step: Step, history: History, clients: Clients, rng: random.Random
+    ) -> None:
+        """Set one fault, hold it ``step.seconds``, lift it."""
+        fault = Fault(step.kind, step.target, time.monotonic(), detail=step.detail)
+        if step.kind == "kill":
+            fault.target = f"{step.target} via {step.detail.upper()}"
+            history.faults.append(fault)
+            await clients.kill(step.detail, step.target)
+            return
+        if step.kind == "crash":
+            history.faults.append(fault)
+            crashed = await clients.crash(step.target, rng)
+            fault.target = crashed or "(no holder)"
+            return
+        trouble = step.target if step.kind in ("cut", "pause") else None
+        if trouble is not None:
+            clients.troubled[trouble] += 1
+        undo = await trio.to_thread.run_sync(self.set, step)
+        fault.start = time.monotonic()
+        history.faults.append(fault)
+        try:
+            await trio.sleep(step.seconds)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(undo)
+                fault.end = time.monotonic()
+                if trouble is not None:
+                    clients.troubled[trouble] -= 1
+
+    def set(self, step: Step) -> Callable[[], None]:
+        """Set ``step``'s fault now; the function that lifts it."""
+        if step.kind == "cut":
+            cut = (step.target, step.detail)
+            self.cuts.append(cut)
+            self.apply_cuts()
+
+            def lift_cut() -> None:
+                self.cuts.remove(cut)
+                self.apply_cuts()
+
+            return lift_cut
+        if step.kind == "pause":
+            pid = self.nodes[step.target].process.pid
+            os.kill(pid, signal.SIGSTOP)
+            return lambda: os.kill(pid, signal.SIGCONT)
+        if step.kind == "member":
+            etcd = self.lab.etcd
+            try:
+                name = etcd.leader() if step.target == "leader" else etcd.follower()
+            except RuntimeError:
+                return lambda: None  # another member is paused and no leader is seen
+            etcd.stop(name)
+            return lambda: etcd.cont(name)
+        if step.kind == "clock":
+            path = self.clocks[step.target]
+            path.write_text(f"{step.detail}\n")
+            return lambda: path.write_text("+0\n")
+        raise ValueError(f"unknown fault {step.kind!r}")
+
+    def lift_all(self) -> None:
+        self.cuts.clear()
+        self.apply_cuts()
+        for node in self.nodes.values():
+            if node.process.poll() is None:
+                os.kill(node.process.pid, signal.SIGCONT)
+        for name, member in self.lab.etcd.members.items():
+            if member.stopped:
+                self.lab.etcd.cont(name)
+        for path in self.clocks.values():
+            path.write_text("+0\n")
+
+
+def node_env(clock: Path) -> dict[str, str]:
+    """A node's environment: its wall clock read from ``clock`` (an offset such as
+    ``+0.5``) at every call, its monotonic clock untouched."""
+    return {
+        **os.environ,
+        "LD_PRELOAD": libfaketime(),
+        "FAKETIME_TIMESTAMP_FILE": str(clock),
+        "FAKETIME_NO_CACHE": "1",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
+def run_schedule(lab: Lab, base: Path, plan: Schedule, *, planted: bool = False) -> Outcome:
+    """Fresh nodes on a fresh prefix, the clients and the faults, then the check."""
+    began = time.monotonic()
+    prefix = f"/nemesis-{uuid.uuid4().hex[:10]}/"
+    admin = base / "admin-token"
+    admin.write_text(ADMIN_TOKEN + "\n")
+    clocks = {node: base / f"clock-{node}" for node in ("a", "b")}
+    for path in clocks.values():
+        path.write_text("+0\n")
+    flags = (
+        "--etcd-prefix", prefix, "--session-ttl", str(plan.ttl),
+        "--admin-token-file", str(admin),
+    )  # fmt: skip
+    history = History(plan.seed, plan.ttl)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(
+                lab.start_node, "a", *flags, via_proxy=True, env=node_env(clocks["a"]),
+                module="tests.support.nemesis_planted" if planted else "elockd",
+            )  # fmt: skip
+            b = pool.submit(lab.start_node, "b", *flags, env=node_env(clocks["b"]))
+            nodes = {"a": a.result(), "b": b.result()}
+        faults = Faults(lab, nodes, clocks)
+        clients = Clients(history, nodes, ADMIN_TOKEN)
+
+        async def main() -> None:
+            rng = random.Random(plan.seed)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(clients.run, random.Random(rng.random()))
+                await trio.sleep(WARM_UP)
+                async with trio.open_nursery() as script:
+                    start = trio.current_time()
+                    for step in plan.steps:
+                        await trio.sleep_until(start + step.at)
+                        script.start_soon(faults.step, step, history, clients, rng)
+                await trio.to_thread.run_sync(faults.lift_all)
+                await trio.sleep(plan.ttl + 1.0)
+                nursery.cancel_scope.cancel()
+            await clients.probe()
+
+        try:
+            lab.from_clients(lambda: trio.run(main))
+        finally:
+            faults.lift_all()
+    finally:
+        lab.heal()
+        logs = {node.role: list(node.log) for node in lab.nodes}
+        lab.stop_nodes()
+    violations = check(history)
+    if violations:
+        for role, log in logs.items():
+            print(f"--- node {role} logged (last 30 lines):\n" + "".join(log[-30:]), end="")
+    return Outcome(plan, history, violations, time.monotonic() - began)
+
+
+def run_many(
+    seeds: range, *, ttl: int = 2, planted: bool = False, out: object = sys.stdout
+) -> list[Outcome]:
+    """Every schedule of ``seeds`` in one lab; prints each outcome as it ends."""
+    import tempfile
+
+    outcomes: list[Outcome] = []
+    with tempfile.TemporaryDirectory(prefix="elockd-nemesis-") as base, lab() as made:
+        for seed in seeds:
+            outcome = run_schedule(made, Path(base), schedule(seed, ttl), planted=planted)
+            print(outcome.summary(), file=out, flush=True)  # type: ignore[call-overload]
+            if outcome.violations:
+                print(report(outcome.history, outcome.violations), file=out, flush=True)  # type: ignore[call-overload]
+            outcomes.append(outcome)
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.support.nemesis_run", description=__doc__
+    )
+    parser.add_argument("--schedules", type=int, default=200)
+    parser.add_argument("--seed", type=int, help="the first seed (default: from the clock)")
+    parser.add_argument("--ttl", type=int, default=2)
+    parser.add_argument("--planted", action="store_true", help="node A's deadline check off")
+    args = parser.parse_args(argv)
+    if (why := why_no_lab()) is not None:
+        print(f"cannot build the lab: {why}", file=sys.stderr)
+        return 2
+    first = args.seed if args.seed is not None else int(time.time()) % 1_000_000 * 1000
+    seeds = range(first, first + args.schedules)
+    print(f"nemesis: seeds {seeds.start}..{seeds.stop - 1}, ttl {args.ttl}", flush=True)
+    began = time.monotonic()
+    outcomes = run_many(seeds, ttl=args.ttl, planted=args.planted)
+    bad = [o for o in outcomes if o.violations]
+    total = sum(len(o.violations) for o in outcomes)
+    print(
+        f"nemesis: {len(outcomes)} schedules, seeds {seeds.start}..{seeds.stop - 1}, "
+        f"{total} violation(s) in {len(bad)} schedule(s) "
+        f"({', '.join(str(o.schedule.seed) for o in bad) or 'none'}), "
+        f"{time.monotonic() - began:.0f} s"
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
