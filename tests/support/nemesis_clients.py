@@ -10,7 +10,7 @@ request and reply into one :class:`History` (tests/support/nemesis_history.py):
   holders that go on asking;
 * *observers* ask ``info``, ``i``, ``d`` and ``ls`` about the keys;
 * *watchers* keep a ``watch`` stream open;
-* *throttlers* ask ``throttle t0 10 1 wait=1``;
+* *throttlers* ask ``throttle TAGt0 10 1 wait=1``;
 * a *crash* (:meth:`Clients.crash`) makes a holder vanish mid-hold, and sends a
   waiter for its key through each node (so the checker sees when it is freed);
 * :meth:`Clients.kill` is the operator: ``auth`` with the admin token, ``kill K``.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -32,10 +33,12 @@ from tests.support.partition_lab import BROKEN, LabNode
 
 HOLDERS, OBSERVERS, WATCHERS, THROTTLERS = 3, 1, 1, 2
 #: What a holder's ``renew`` asks: its hold becomes a lease of this many seconds.
-LEASE = 5
+LEASE = 3
 THROTTLE = Throttle(10, 1.0, 10)
 #: Verbs whose answer is lines up to ``END``.
 LISTS = ("d", "ls")
+#: A status line (``409 Backend Unavailable``), never a row (rows start with a key).
+REFUSAL = re.compile(r"\d{3} ")
 
 
 class Gone(Exception):
@@ -72,7 +75,9 @@ class Conn:
             raise Gone from error
         reply = await self.line()
         if exchange.verb in LISTS:
-            while reply != "END":
+            # A listing ends with END, or with a refusal in place of the rest
+            # (a node that can no longer vouch for its copy): the rows before stand.
+            while reply != "END" and not REFUSAL.match(reply):
                 exchange.more.append(reply)
                 reply = await self.line()
         exchange.reply, exchange.received = reply, time.monotonic()
@@ -86,8 +91,14 @@ class Conn:
 class Clients:
     """Every client of one schedule's run, against nodes ``nodes``."""
 
-    def __init__(self, history: History, nodes: dict[str, LabNode], admin_token: str) -> None:
+    def __init__(
+        self, history: History, nodes: dict[str, LabNode], admin_token: str, tag: str = ""
+    ) -> None:
         self.history = history
+        #: Every key name starts with ``tag``: a schedule's keys are its own even on
+        #: nodes that served the schedule before.
+        self.tag = tag
+        self.keys = [tag + key for key in KEYS]
         self.nodes = nodes
         self.admin_token = admin_token
         self.count = 0
@@ -96,7 +107,10 @@ class Clients:
         #: Per node, how many cuts and pauses of it are in force: its holders then
         #: keep holding (and asking) until told they lost the hold.
         self.troubled: dict[str, int] = dict.fromkeys(nodes, 0)
-        history.throttles["t0"] = THROTTLE
+        self.nursery: trio.Nursery | None = None
+        #: Set when a holder of the node sends ``info`` (a pause waits for one).
+        self.info_sent = {node: trio.Event() for node in nodes}
+        history.throttles[tag + "t0"] = THROTTLE
         history.lease_ttl = LEASE
 
     async def connect(self, node: str, role: str) -> Conn:
@@ -131,6 +145,7 @@ class Clients:
     async def run(self, rng: random.Random) -> None:
         """Every client on both nodes, until cancelled."""
         async with trio.open_nursery() as nursery:
+            self.nursery = nursery
             for node in self.nodes:
                 for role, count, body in (
                     ("h", HOLDERS, self.holder), ("o", OBSERVERS, self.observer),
@@ -158,13 +173,13 @@ class Clients:
     async def hold_once(self, conn: Conn, rng: random.Random, held: set[str]) -> None:
         choice = rng.random()
         if choice < 0.15:
-            keys = rng.sample(KEYS, 2)
+            keys = rng.sample(self.keys, 2)
             request, release = f"mlock {keys[0]} {keys[1]} wait=2", "unlock"
         elif choice < 0.3:
-            keys = [rng.choice(KEYS)]
+            keys = [rng.choice(self.keys)]
             request, release = f"g {keys[0]}", "r"
         else:
-            keys = [rng.choice(KEYS)]
+            keys = [rng.choice(self.keys)]
             request, release = f"lock {keys[0]} 2", "unlock"
         if await conn.ask(request) not in GRANTED:
             await trio.sleep(rng.uniform(0.05, 0.2))
@@ -188,6 +203,7 @@ class Clients:
             if pick < 0.4:
                 ok = (await conn.ask(f"token {key}")).startswith("200 ")
             elif pick < 0.7:
+                self.info_sent[conn.node].set()
                 ok = f"exclusive={conn.name} " in await conn.ask(f"info {key}")
             elif pick < 0.9:
                 ok = (await conn.ask(f"renew {key} ttl={LEASE}")).startswith("200 ")
@@ -202,12 +218,12 @@ class Clients:
 
     async def observer(self, conn: Conn, rng: random.Random) -> None:
         while True:
-            key = rng.choice(KEYS)
-            await conn.ask(rng.choice((f"info {key}", f"i {key}", f"d {key}", "ls x")))
+            key = rng.choice(self.keys)
+            await conn.ask(rng.choice((f"info {key}", f"i {key}", f"d {key}", f"ls {self.tag}x")))
             await trio.sleep(rng.uniform(0.05, 0.15))
 
     async def watcher(self, conn: Conn, rng: random.Random) -> None:
-        await conn.ask("watch x")
+        await conn.ask(f"watch {self.tag}x")
         while True:
             line = await conn.line()
             self.history.watch_lines.append(WatchLine(conn.name, conn.node, line, time.monotonic()))
@@ -215,7 +231,7 @@ class Clients:
     async def throttler(self, conn: Conn, rng: random.Random) -> None:
         rate = THROTTLE
         while True:
-            await conn.ask(f"throttle t0 {rate.count} {rate.period:g} wait=1")
+            await conn.ask(f"throttle {self.tag}t0 {rate.count} {rate.period:g} wait=1")
             await trio.sleep(rng.uniform(0.0, 0.05))
 
     # ---------------------------------------------------------------- faults
@@ -231,10 +247,10 @@ class Clients:
         held, scope = self.holding[name]
         keys = sorted(held)
         scope.cancel()
-        async with trio.open_nursery() as nursery:
-            for key in keys:
-                for via in self.nodes:
-                    nursery.start_soon(self.chase, via, key)
+        for key in keys:
+            for via in self.nodes:
+                assert self.nursery is not None, "the clients do not run"
+                self.nursery.start_soon(self.chase, via, key)
         return name
 
     async def chase(self, node: str, key: str, role: str = "c", extra: int = 2) -> None:
@@ -248,8 +264,18 @@ class Clients:
             finally:
                 await conn.close()
 
-    async def kill(self, node: str, key: str) -> None:
-        """The operator's ``kill key`` through ``node``."""
+    async def kill(self, node: str, key: str) -> str:
+        """The operator's ``kill`` through ``node``: of a key that a holder of the
+        other node holds while that node is cut or paused, if any (the combination
+        that matters), else of ``key``. A waiter for it through ``node`` follows,
+        so that a grant after the kill is there to compare. The key killed."""
+        other = next(n for n in self.nodes if n != node)
+        held = [
+            k for name, (keys, _) in self.holding.items() if name.startswith(other) for k in keys
+        ]
+        key = sorted(held)[0] if held and self.troubled[other] else self.tag + key
+        assert self.nursery is not None, "the clients do not run"
+        self.nursery.start_soon(self.chase, node, key)
         with contextlib.suppress(OSError, Gone, trio.TooSlowError):
             conn = await self.connect(node, "k")
             try:
@@ -257,10 +283,18 @@ class Clients:
                 await conn.ask(f"kill {key}")
             finally:
                 await conn.close()
+        return key
+
+    async def holder_asks_info(self, node: str, limit: float = 1.0) -> None:
+        """Return as a holder of ``node`` sends ``info`` (or after ``limit``): a
+        pause that comes then stops the node in the middle of answering it."""
+        self.info_sent[node] = trio.Event()
+        with trio.move_on_after(limit):
+            await self.info_sent[node].wait()
 
     async def probe(self) -> None:
         """After the run, every key can be taken through each node (the checker
         reads the ``p`` sessions' answers)."""
         for node in self.nodes:
-            for key in KEYS:
+            for key in self.keys:
                 await self.chase(node, key, "p", 1)

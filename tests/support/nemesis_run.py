@@ -7,7 +7,7 @@ fresh key prefix. Both nodes run under libfaketime with a clock file
 clock while it runs; node A reaches etcd through the lab's delay proxy. Per
 schedule: the clients (tests/support/nemesis_clients.py) run for a second, the
 schedule's faults (tests/support/nemesis_schedule.py) come and go, every fault
-is lifted, the clients go on for TTL + 1 s, every key is probed, and the one
+is lifted, the clients go on for a TTL, every key is probed, and the one
 checker (tests/support/nemesis_checker.py) reads the history.
 
 ``python -m tests.support.nemesis_run [--schedules N] [--seed S] [--ttl T]
@@ -23,11 +23,13 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import trio
 
@@ -40,7 +42,7 @@ from tests.support.skewed_clock import libfaketime
 
 ADMIN_TOKEN = "nemesis-admin-token"
 #: Seconds of clients before the first fault.
-WARM_UP = 1.0
+WARM_UP = 0.5
 
 
 @dataclass
@@ -91,19 +93,24 @@ class Faults:
         """Set one fault, hold it ``step.seconds``, lift it."""
         fault = Fault(step.kind, step.target, time.monotonic(), detail=step.detail)
         if step.kind == "kill":
-            fault.target = f"{step.target} via {step.detail.upper()}"
             history.faults.append(fault)
-            await clients.kill(step.detail, step.target)
+            killed = await clients.kill(step.detail, step.target)
+            fault.target = f"{killed} via {step.detail.upper()}"
             return
         if step.kind == "crash":
             history.faults.append(fault)
             crashed = await clients.crash(step.target, rng)
             fault.target = crashed or "(no holder)"
             return
+        if step.kind == "pause":
+            await clients.holder_asks_info(step.target)
         trouble = step.target if step.kind in ("cut", "pause") else None
         if trouble is not None:
             clients.troubled[trouble] += 1
-        undo = await trio.to_thread.run_sync(self.set, step)
+        if step.kind == "pause":
+            undo = self.set(step)  # at once: a thread's hand-off would miss the info
+        else:
+            undo = await trio.to_thread.run_sync(self.set, step)
         fault.start = time.monotonic()
         history.faults.append(fault)
         try:
@@ -170,75 +177,98 @@ def node_env(clock: Path) -> dict[str, str]:
     }
 
 
-def run_schedule(lab: Lab, base: Path, plan: Schedule, *, planted: bool = False) -> Outcome:
-    """Fresh nodes on a fresh prefix, the clients and the faults, then the check."""
-    began = time.monotonic()
-    prefix = f"/nemesis-{uuid.uuid4().hex[:10]}/"
-    admin = base / "admin-token"
-    admin.write_text(ADMIN_TOKEN + "\n")
-    clocks = {node: base / f"clock-{node}" for node in ("a", "b")}
-    for path in clocks.values():
-        path.write_text("+0\n")
-    flags = (
-        "--etcd-prefix", prefix, "--session-ttl", str(plan.ttl),
-        "--admin-token-file", str(admin),
-    )  # fmt: skip
-    history = History(plan.seed, plan.ttl)
-    try:
+class Pair:
+    """Nodes A and B, started on a fresh prefix and kept across schedules (each
+    schedule's keys start with its own tag) until one of them has died: a start
+    costs more than a short schedule. Both run under libfaketime with a clock file
+    each; A reaches etcd through the lab's delay proxy. ``planted``: A runs with
+    its deadline check off (tests/support/nemesis_planted.py)."""
+
+    def __init__(self, lab: Lab, base: Path, ttl: int, *, planted: bool = False) -> None:
+        self.lab, self.base, self.ttl, self.planted = lab, base, ttl, planted
+        self.admin = base / "admin-token"
+        self.admin.write_text(ADMIN_TOKEN + "\n")
+        self.clocks = {node: base / f"clock-{node}" for node in ("a", "b")}
+        self.nodes: dict[str, LabNode] = {}
+
+    def ready(self) -> dict[str, LabNode]:
+        """The two nodes, started afresh if there are none or one has exited."""
+        if self.nodes and all(n.process.poll() is None for n in self.nodes.values()):
+            return self.nodes
+        self.stop()
+        for path in self.clocks.values():
+            path.write_text("+0\n")
+        flags = (
+            "--etcd-prefix", f"/nemesis-{uuid.uuid4().hex[:10]}/",
+            "--session-ttl", str(self.ttl), "--admin-token-file", str(self.admin),
+        )  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             a = pool.submit(
-                lab.start_node, "a", *flags, via_proxy=True, env=node_env(clocks["a"]),
-                module="tests.support.nemesis_planted" if planted else "elockd",
+                self.lab.start_node, "a", *flags, via_proxy=True, env=node_env(self.clocks["a"]),
+                module="tests.support.nemesis_planted" if self.planted else "elockd",
             )  # fmt: skip
-            b = pool.submit(lab.start_node, "b", *flags, env=node_env(clocks["b"]))
-            nodes = {"a": a.result(), "b": b.result()}
-        faults = Faults(lab, nodes, clocks)
-        clients = Clients(history, nodes, ADMIN_TOKEN)
+            b = pool.submit(self.lab.start_node, "b", *flags, env=node_env(self.clocks["b"]))
+            self.nodes = {"a": a.result(), "b": b.result()}
+        return self.nodes
 
-        async def main() -> None:
-            rng = random.Random(plan.seed)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(clients.run, random.Random(rng.random()))
-                await trio.sleep(WARM_UP)
-                async with trio.open_nursery() as script:
-                    start = trio.current_time()
-                    for step in plan.steps:
-                        await trio.sleep_until(start + step.at)
-                        script.start_soon(faults.step, step, history, clients, rng)
-                await trio.to_thread.run_sync(faults.lift_all)
-                await trio.sleep(plan.ttl + 1.0)
-                nursery.cancel_scope.cancel()
-            await clients.probe()
+    def stop(self) -> None:
+        self.lab.stop_nodes()
+        self.nodes = {}
 
-        try:
-            lab.from_clients(lambda: trio.run(main))
-        finally:
-            faults.lift_all()
+
+def run_schedule(pair: Pair, plan: Schedule) -> Outcome:
+    """The clients and the schedule's faults on ``pair``'s nodes, then the check."""
+    began = time.monotonic()
+    history = History(plan.seed, plan.ttl)
+    nodes = pair.ready()
+    marks = {role: len(node.log) for role, node in nodes.items()}
+    faults = Faults(pair.lab, nodes, pair.clocks)
+    clients = Clients(history, nodes, ADMIN_TOKEN, tag=f"s{plan.seed}-")
+
+    async def main() -> None:
+        rng = random.Random(plan.seed)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(clients.run, random.Random(rng.random()))
+            await trio.sleep(WARM_UP)
+            async with trio.open_nursery() as script:
+                start = trio.current_time()
+                for step in plan.steps:
+                    await trio.sleep_until(start + step.at)
+                    script.start_soon(faults.step, step, history, clients, rng)
+            await trio.to_thread.run_sync(faults.lift_all)
+            await trio.sleep(plan.ttl)
+            nursery.cancel_scope.cancel()
+        await clients.probe()
+
+    try:
+        pair.lab.from_clients(lambda: trio.run(main))
     finally:
-        lab.heal()
-        logs = {node.role: list(node.log) for node in lab.nodes}
-        lab.stop_nodes()
+        faults.lift_all()
+        pair.lab.heal()
     violations = check(history)
     if violations:
-        for role, log in logs.items():
+        for role, node in nodes.items():
+            log = node.log[marks[role] :]
             print(f"--- node {role} logged (last 30 lines):\n" + "".join(log[-30:]), end="")
     return Outcome(plan, history, violations, time.monotonic() - began)
 
 
 def run_many(
-    seeds: range, *, ttl: int = 2, planted: bool = False, out: object = sys.stdout
+    seeds: range, *, ttl: int = 2, planted: bool = False, out: TextIO = sys.stdout
 ) -> list[Outcome]:
     """Every schedule of ``seeds`` in one lab; prints each outcome as it ends."""
-    import tempfile
-
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="elockd-nemesis-") as base, lab() as made:
-        for seed in seeds:
-            outcome = run_schedule(made, Path(base), schedule(seed, ttl), planted=planted)
-            print(outcome.summary(), file=out, flush=True)  # type: ignore[call-overload]
-            if outcome.violations:
-                print(report(outcome.history, outcome.violations), file=out, flush=True)  # type: ignore[call-overload]
-            outcomes.append(outcome)
+        pair = Pair(made, Path(base), ttl, planted=planted)
+        try:
+            for seed in seeds:
+                outcome = run_schedule(pair, schedule(seed, ttl))
+                print(outcome.summary(), file=out, flush=True)
+                if outcome.violations:
+                    print(report(outcome.history, outcome.violations), file=out, flush=True)
+                outcomes.append(outcome)
+        finally:
+            pair.stop()
     return outcomes
 
 

@@ -16,13 +16,16 @@ Kinds:
     etcd held 2 s), ``oneway`` (only the node's frames to etcd dropped; etcd's
     still arrive).
 ``pause``
-    a node stopped (SIGSTOP) with its network intact, then continued.
+    a node stopped (SIGSTOP) with its network intact, then continued; the runner
+    waits (up to 1 s) for one of its holders to send ``info``, so that the node
+    stops while it answers.
 ``member``
     an etcd member stopped (SIGSTOP), ``leader`` or a follower, then continued.
 ``clock``
     a node's wall clock jumps (libfaketime) by ``detail`` seconds, and back.
 ``kill``
-    an operator ``kill`` of a key, through either node.
+    an operator ``kill`` of a key, through either node; while the other node is
+    cut or paused, of a key one of its holders holds.
 ``crash``
     a client that holds a key vanishes (its connection closed without a word).
 """
@@ -70,7 +73,7 @@ class Schedule:
         return max([self.length, *(s.at + s.seconds for s in self.steps)])
 
 
-def schedule(seed: int, ttl: int = 2, length: float = 4.0, faults: int = 4) -> Schedule:
+def schedule(seed: int, ttl: int = 2, length: float = 2.5, faults: int = 4) -> Schedule:
     """The schedule of ``seed``: ``faults`` steps (give or take one) in ``length`` s."""
     rng = random.Random(seed)
     kinds = list(KINDS)
@@ -80,7 +83,7 @@ def schedule(seed: int, ttl: int = 2, length: float = 4.0, faults: int = 4) -> S
         kind = rng.choices(kinds, weights)[0]
         at = round(rng.uniform(0.0, length), 1)
         # Long enough to outlast the node's lease (TTL) in some runs, not in others.
-        seconds = round(rng.uniform(0.5, 2.5 * ttl), 1)
+        seconds = round(rng.uniform(0.5, 1.5 * ttl + 0.5), 1)
         node = rng.choice(NODES)
         if kind == "cut":
             mode = rng.choice(CUT_MODES)
