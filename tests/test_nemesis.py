@@ -44,8 +44,8 @@ def test_schedules_of_mixed_faults_pass_the_checker(nemesis_lab: tuple[Lab, Path
     count = int(os.environ.get("NEMESIS_SCHEDULES", "2"))
     first = int(os.environ.get("NEMESIS_SEED") or int(time.time()) % 1_000_000 * 1000)
     print(f"nemesis: seeds {first}..{first + count - 1}")
-    pair = Pair(made, base / "nodes", TTL)
     (base / "nodes").mkdir(exist_ok=True)
+    pair = Pair(made, base / "nodes", TTL)
     failed = []
     try:
         for seed in range(first, first + count):

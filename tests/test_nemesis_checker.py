@@ -157,3 +157,17 @@ def test_a_key_not_free_after_the_run_is_caught() -> None:
     assert check(history) == []
     ask(history, "bp2", "lock x1 12", 1.0, "409 Unavailable")
     assert kinds(history) == ["freed"]
+
+
+def test_shared_holders_above_the_limit_are_caught() -> None:
+    history = History(seed=7, ttl=2)
+    for number, start in enumerate((1.0, 1.2, 2.5)):
+        session = f"as{number}"
+        ask(history, session, "lock_shared s0 2 limit=2", start, "200 1")
+        ask(history, session, "renew s0 ttl=3", start + 0.5, "200 Renewed")
+        ask(history, session, "unlock_shared s0", start + 0.9, "200 0")
+    assert check(history) == []
+    ask(history, "as9", "lock_shared s0 2 limit=2", 1.3, "200 3")  # a third at once
+    ask(history, "as9", "renew s0 ttl=3", 1.45, "200 Renewed")
+    assert kinds(history) == ["shared"]
+    assert len(check(history)) == 2  # the reply's count, and the holders at once

@@ -34,6 +34,9 @@ The rules (each violation names the rule, the seed and the key's timeline):
     request's send to another's reply, stay within ``B + W·rate + 1`` plus the
     documented skew (docs/cluster.md, "The clock"): ``min(J·rate, B)`` per
     wall-clock jump of size J a node made in the run.
+``shared``
+    ``lock_shared K W limit=N`` never reports more than N holders, and no more
+    than N shared holds surely exist at once.
 ``watch``
     Each ``watch`` stream, per key: never two exclusive holders at once, a
     ``-`` only for the holder it showed, tokens increasing, and every ``+`` a hold
@@ -171,6 +174,8 @@ class Holds:
                     hold.ended, hold.how = exchange.sent, "told"
                     del current[(session, key)]
                 return
+            if hold is None and verb == "renew":
+                return  # a shared hold's (see shared_limits)
             if hold is None:
                 self.problems.append(
                     Violation("overlap", key, f"{session} was confirmed a hold it was never "
@@ -258,6 +263,7 @@ def check(history: History) -> list[Violation]:
         found += overlaps(key, key_holds)
         found += tokens(key, key_holds)
     found += throttles(history)
+    found += shared_limits(history)
     found += watches(history, holds)
     found += freed(history, holds)
     return found
@@ -308,6 +314,45 @@ def tokens(key: str, holds: list[Hold]) -> Iterable[Violation]:
                 yield Violation(
                     "token", key, f"{second} granted after {first} has a token not above it"
                 )
+
+
+def shared_limits(history: History) -> Iterable[Violation]:
+    """``lock_shared K W limit=N``: its ``200 M`` says M ≤ N, and no more than N
+    shared holds of K surely exist at once (each from its grant's reply to the
+    last ``renew`` its session sent that was answered 200)."""
+    spans: dict[str, list[tuple[float, float, int, str]]] = defaultdict(list)
+    current: dict[tuple[str, str], list[float]] = {}  # start, last, limit
+    for exchange in sorted(history.exchanges, key=lambda e: e.sent):
+        words, reply = exchange.words, exchange.reply or ""
+        if exchange.verb == "lock_shared" and reply.startswith("200 "):
+            limit = int(dict(FIELD.findall(exchange.request)).get("limit", "0")) or 10**9
+            if int(reply.split()[1]) > limit:
+                text = f"{reply!r} above its limit: {show(exchange)}"
+                yield Violation("shared", words[1], text)
+            assert exchange.received is not None
+            current.setdefault((exchange.session, words[1]), [exchange.received] * 2 + [limit])
+            continue
+        span = current.get((exchange.session, words[1] if len(words) > 1 else ""))
+        if exchange.verb == "renew" and span is not None and reply.startswith("200 "):
+            span[1] = exchange.sent
+        elif span is not None and (exchange.verb in ("renew", "unlock_shared") or not reply):
+            del current[(exchange.session, words[1])]
+            spans[words[1]].append((span[0], span[1], int(span[2]), exchange.session))
+    for (session, key), span in current.items():
+        spans[key].append((span[0], span[1], int(span[2]), session))
+    for key, key_spans in spans.items():
+        edges = sorted(
+            [(start, 1, limit) for start, last, limit, _ in key_spans if last > start]
+            + [(last, -1, limit) for start, last, limit, _ in key_spans if last > start]
+        )
+        held, smallest = 0, min(limit for _, _, limit, _ in key_spans)
+        for at, step, _ in edges:
+            held += step
+            if held > smallest:
+                yield Violation(
+                    "shared", key, f"{held} shared holders surely at {at:.3f}, limit {smallest}"
+                )
+                break
 
 
 def throttles(history: History) -> Iterable[Violation]:

@@ -8,7 +8,8 @@ request and reply into one :class:`History` (tests/support/nemesis_history.py):
   free it; told lost (a 403, a closed connection), they connect anew. While their
   node is cut or paused they hold on (up to 3 TTLs more): a fault must find
   holders that go on asking;
-* *observers* ask ``info``, ``i``, ``d`` and ``ls`` about the keys;
+* *sharers* take ``lock_shared TAGs0 2 limit=2`` and ``renew`` it a moment;
+* *observers* ask ``info``, ``i``, ``d``, ``ls`` and ``si`` about the keys;
 * *watchers* keep a ``watch`` stream open;
 * *throttlers* ask ``throttle TAGt0 10 1 wait=1``;
 * a *crash* (:meth:`Clients.crash`) makes a holder vanish mid-hold, and sends a
@@ -31,7 +32,7 @@ from tests.support.nemesis_history import History, Throttle, WatchLine
 from tests.support.nemesis_schedule import KEYS
 from tests.support.partition_lab import BROKEN, LabNode
 
-HOLDERS, OBSERVERS, WATCHERS, THROTTLERS = 3, 1, 1, 2
+HOLDERS, SHARERS, OBSERVERS, WATCHERS, THROTTLERS = 3, 2, 1, 1, 2
 #: What a holder's ``renew`` asks: its hold becomes a lease of this many seconds.
 LEASE = 3
 THROTTLE = Throttle(10, 1.0, 10)
@@ -110,6 +111,9 @@ class Clients:
         self.nursery: trio.Nursery | None = None
         #: Set when a holder of the node sends ``info`` (a pause waits for one).
         self.info_sent = {node: trio.Event() for node in nodes}
+        #: Set when a holder of the node that asks only ``token`` got a key (a cut
+        #: waits for one).
+        self.token_holder = {node: trio.Event() for node in nodes}
         history.throttles[tag + "t0"] = THROTTLE
         history.lease_ttl = LEASE
 
@@ -148,7 +152,8 @@ class Clients:
             self.nursery = nursery
             for node in self.nodes:
                 for role, count, body in (
-                    ("h", HOLDERS, self.holder), ("o", OBSERVERS, self.observer),
+                    ("h", HOLDERS, self.holder), ("s", SHARERS, self.sharer),
+                    ("o", OBSERVERS, self.observer),
                     ("w", WATCHERS, self.watcher), ("t", THROTTLERS, self.throttler),
                 ):  # fmt: skip
                     for _ in range(count):
@@ -195,6 +200,8 @@ class Clients:
         # books: those go on asking through a cut, when a verb that reads etcd
         # waits for it.
         only_token = rng.random() < 0.5
+        if only_token:
+            self.token_holder[conn.node].set()
         longest = until + 3 * self.history.ttl
         while time.monotonic() < until or (self.troubled[conn.node] and time.monotonic() < longest):
             await trio.sleep(rng.uniform(0.05, 0.15))
@@ -216,10 +223,27 @@ class Clients:
         held.clear()
         await trio.sleep(rng.uniform(0.0, 0.2))
 
+    async def sharer(self, conn: Conn, rng: random.Random) -> None:
+        """``lock_shared TAGs0 2 limit=2``, held a moment with ``renew`` (which
+        confirms a shared hold), then ``unlock_shared``."""
+        key = f"{self.tag}s0"
+        while True:
+            if not (await conn.ask(f"lock_shared {key} 2 limit=2")).startswith("200 "):
+                await trio.sleep(rng.uniform(0.05, 0.2))
+                continue
+            until = time.monotonic() + rng.uniform(0.3, 1.0)
+            while time.monotonic() < until:
+                await trio.sleep(rng.uniform(0.05, 0.15))
+                if not (await conn.ask(f"renew {key} ttl={LEASE}")).startswith("200 "):
+                    raise Gone  # told lost
+            await conn.ask(f"unlock_shared {key}")
+            await trio.sleep(rng.uniform(0.0, 0.2))
+
     async def observer(self, conn: Conn, rng: random.Random) -> None:
         while True:
             key = rng.choice(self.keys)
-            await conn.ask(rng.choice((f"info {key}", f"i {key}", f"d {key}", f"ls {self.tag}x")))
+            asks = (f"info {key}", f"i {key}", f"d {key}", f"ls {self.tag}x", f"si {self.tag}s0")
+            await conn.ask(rng.choice(asks))
             await trio.sleep(rng.uniform(0.05, 0.15))
 
     async def watcher(self, conn: Conn, rng: random.Random) -> None:
@@ -291,6 +315,14 @@ class Clients:
         self.info_sent[node] = trio.Event()
         with trio.move_on_after(limit):
             await self.info_sent[node].wait()
+
+    async def token_holder_on(self, node: str, limit: float = 1.0) -> None:
+        """Return once a holder of ``node`` that asks only ``token`` holds a key (or
+        after ``limit``): a cut that comes then finds it asking on through the cut."""
+        if not any(n.startswith(node) and held for n, (held, _) in self.holding.items()):
+            self.token_holder[node] = trio.Event()
+        with trio.move_on_after(limit):
+            await self.token_holder[node].wait()
 
     async def probe(self) -> None:
         """After the run, every key can be taken through each node (the checker

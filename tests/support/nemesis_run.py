@@ -104,6 +104,8 @@ class Faults:
             return
         if step.kind == "pause":
             await clients.holder_asks_info(step.target)
+        elif step.kind == "cut":
+            await clients.token_holder_on(step.target)
         trouble = step.target if step.kind in ("cut", "pause") else None
         if trouble is not None:
             clients.troubled[trouble] += 1

@@ -14,7 +14,8 @@ Kinds:
     a node cut from etcd: ``loss`` (frames dropped at the switch, both ways),
     ``down`` (its link to etcd down), ``delay`` (every byte between node A and
     etcd held 2 s), ``oneway`` (only the node's frames to etcd dropped; etcd's
-    still arrive).
+    still arrive); the runner waits (up to 1 s) until one of the node's holders
+    that ask only ``token`` holds a key.
 ``pause``
     a node stopped (SIGSTOP) with its network intact, then continued; the runner
     waits (up to 1 s) for one of its holders to send ``info``, so that the node
