@@ -41,6 +41,9 @@ The rules (each violation names the rule, the seed and the key's timeline):
     Each ``watch`` stream, per key: never two exclusive holders at once, a
     ``-`` only for the holder it showed, tokens increasing, and every ``+`` a hold
     its owner asked for (a grant can meet a wait's end and be freed at once).
+``handover``
+    A hand-over of a node (``--take-over``) did not happen: its successor did not
+    start, or the old process did not exit 0.
 ``freed``
     After a session crashed while holding K, K is granted again (to anyone:
     the runner sends a waiter) within :func:`free_bound`.
@@ -106,6 +109,9 @@ class Violation:
     rule: str
     key: str
     text: str
+    #: When it happened, as near as the rule can say (the timeline is centred
+    #: there); 0: not known.
+    at: float = 0.0
 
     def __str__(self) -> str:
         return f"[{self.rule}] {self.key}: {self.text}"
@@ -259,6 +265,7 @@ def check(history: History) -> list[Violation]:
     """Every violation of the history, per the rules in this module's docstring."""
     holds = Holds(history)
     found = list(holds.problems)
+    found += [Violation("handover", "-", problem) for problem in history.problems]
     for key, key_holds in holds.by_key.items():
         found += overlaps(key, key_holds)
         found += tokens(key, key_holds)
@@ -280,6 +287,7 @@ def overlaps(key: str, holds: list[Hold]) -> Iterable[Violation]:
                     "overlap", key,
                     f"{first} and {second} both surely held from {second.start:.3f} to "
                     f"{min(first.sure_end, second.sure_end):.3f}",
+                    second.start,
                 )  # fmt: skip
                 continue
             for one, other in ((first, second), (second, first)):
@@ -291,6 +299,7 @@ def overlaps(key: str, holds: list[Hold]) -> Iterable[Violation]:
                             "overlap", key,
                             f"{report.session} was told {one} held it while {other} surely "
                             f"did: {show(report)}",
+                            report.sent,
                         )  # fmt: skip
             for confirmation in first.confirmations:
                 assert confirmation.received is not None
@@ -300,6 +309,7 @@ def overlaps(key: str, holds: list[Hold]) -> Iterable[Violation]:
                         "late", key,
                         f"{first} was confirmed {late:.3f} s after {second}'s grant: "
                         f"{show(confirmation)}",
+                        second.start,
                     )  # fmt: skip
 
 
@@ -454,6 +464,7 @@ def freed(history: History, holds: Holds) -> Iterable[Violation]:
                     "freed", key,
                     f"{hold}'s client crashed at {crashed:.3f}; granted again {when}, "
                     f"bound {bound:.1f} s",
+                    crashed,
                 )  # fmt: skip
     # The runner's probes after the run (sessions named NODE + "p" + number).
     probes = [e for e in history.exchanges if e.session[1:2] == "p" and e.verb == "lock"]
@@ -476,8 +487,9 @@ def show(exchange: Exchange) -> str:
     return f"{who} {exchange.request!r} sent {exchange.sent:.3f} -> {got}"
 
 
-def timeline(history: History, key: str, limit: int = 80) -> str:
-    """Every exchange, watch line and fault that concerns ``key``, in time order."""
+def timeline(history: History, key: str, around: float = 0.0, limit: int = 80) -> str:
+    """Every exchange, watch line and fault that concerns ``key``, in time order:
+    the ``limit`` rows nearest ``around`` (from its start when 0)."""
     rows: list[tuple[float, str]] = []
     for exchange in history.exchanges:
         if key in exchange.words[1:] or any(line.startswith(key) for line in exchange.more):
@@ -493,8 +505,11 @@ def timeline(history: History, key: str, limit: int = 80) -> str:
         rows.append((at, f"CRASH {session}"))
     rows.sort()
     if len(rows) > limit:
-        rows = rows[: limit // 2] + [(0.0, "…")] + rows[-limit // 2 :]
-    return "\n".join(f"  {at:12.3f} {text}" if text != "…" else "  …" for at, text in rows)
+        # Mostly before the moment: what led to it.
+        centre = next((i for i, (at, _) in enumerate(rows) if at >= around), len(rows))
+        first = max(0, min(centre - 3 * limit // 4, len(rows) - limit))
+        rows = rows[first : first + limit]
+    return "\n".join(f"  {at:12.3f} {text}" for at, text in rows)
 
 
 def report(history: History, violations: list[Violation]) -> str:
@@ -502,6 +517,7 @@ def report(history: History, violations: list[Violation]) -> str:
     lines = [f"seed {history.seed}: {len(violations)} violation(s)"]
     lines += [f"  {v}" for v in violations]
     for key in sorted({v.key for v in violations}):
-        lines.append(f"timeline of {key} (seed {history.seed}):")
-        lines.append(timeline(history, key))
+        around = min(v.at for v in violations if v.key == key)
+        lines.append(f"timeline of {key} (seed {history.seed}), around {around:.3f}:")
+        lines.append(timeline(history, key, around))
     return "\n".join(lines)

@@ -95,6 +95,8 @@ class History:
     #: The longest ``ttl=`` any hold was given (``renew K ttl=S``): a crashed
     #: holder's key may stay taken that long.
     lease_ttl: float = 0.0
+    #: What went wrong outside the clients' view (a hand-over that failed).
+    problems: list[str] = field(default_factory=list)
 
     def record(self, session: str, node: str, request: str, sent: float) -> Exchange:
         exchange = Exchange(session, node, request, sent)

@@ -22,6 +22,7 @@ import concurrent.futures
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +38,9 @@ from tests.support.nemesis_checker import Violation, check, report
 from tests.support.nemesis_clients import Clients
 from tests.support.nemesis_history import Fault, History
 from tests.support.nemesis_schedule import Schedule, Step, schedule
+from tests.support.netns import enter
 from tests.support.partition_lab import MEMBERS, Lab, LabNode, lab, why_no_lab
+from tests.support.server_process import start_server, stop_server
 from tests.support.skewed_clock import libfaketime
 
 ADMIN_TOKEN = "nemesis-admin-token"
@@ -65,8 +68,9 @@ class Faults:
     history. Cuts are kept as a set and the switch's rules rebuilt from it, so
     overlapping cuts lift one by one."""
 
-    def __init__(self, lab: Lab, nodes: dict[str, LabNode], clocks: dict[str, Path]) -> None:
-        self.lab, self.nodes, self.clocks = lab, nodes, clocks
+    def __init__(self, pair: Pair) -> None:
+        self.pair = pair
+        self.lab, self.nodes, self.clocks = pair.lab, pair.nodes, pair.clocks
         self.cuts: list[tuple[str, str]] = []  # (node, mode) in force
 
     def apply_cuts(self) -> None:
@@ -95,7 +99,15 @@ class Faults:
         if step.kind == "kill":
             history.faults.append(fault)
             killed = await clients.kill(step.detail, step.target)
-            fault.target = f"{killed} via {step.detail.upper()}"
+            fault.target, fault.detail = f"{killed} via {step.detail.upper()}", ""
+            return
+        if step.kind == "handover":
+            history.faults.append(fault)
+            trouble = await trio.to_thread.run_sync(self.pair.hand_over, step.target)
+            fault.end = time.monotonic()
+            fault.detail = trouble or "done"
+            if trouble:
+                history.problems.append(f"hand-over of {step.target.upper()}: {trouble}")
             return
         if step.kind == "crash":
             history.faults.append(fault)
@@ -206,12 +218,49 @@ class Pair:
         )  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             a = pool.submit(
-                self.lab.start_node, "a", *flags, via_proxy=True, env=node_env(self.clocks["a"]),
-                module="tests.support.nemesis_planted" if self.planted else "elockd",
+                self.lab.start_node, "a", *flags, *self.control("a"), via_proxy=True,
+                env=node_env(self.clocks["a"]), module=self.module,
             )  # fmt: skip
-            b = pool.submit(self.lab.start_node, "b", *flags, env=node_env(self.clocks["b"]))
+            b = pool.submit(
+                self.lab.start_node, "b", *flags, *self.control("b"),
+                env=node_env(self.clocks["b"]),
+            )  # fmt: skip
             self.nodes = {"a": a.result(), "b": b.result()}
         return self.nodes
+
+    @property
+    def module(self) -> str:
+        return "tests.support.nemesis_planted" if self.planted else "elockd"
+
+    def control(self, role: str) -> tuple[str, str]:
+        """The node's control socket (docs/upgrade.md): a hand-over goes through it."""
+        return "--control-socket", str(self.base / f"control-{role}.sock")
+
+    def hand_over(self, role: str) -> str:
+        """``elockd --take-over`` (what ``elockctl upgrade`` starts) with the node's
+        own flags, in its namespace: the successor takes the listener, the
+        connections and the sessions, the old process exits. What went wrong, or ""."""
+        node = self.nodes[role]
+        previous = node.process
+        # What start_server was given: the command line after its own flags.
+        args = [str(arg) for arg in previous.args[7:]]  # type: ignore[index, union-attr]
+        namespace = self.lab.namespace(role)
+        try:
+            successor, _ = start_server(
+                "--take-over", self.control(role)[1], *args, log=node.log,
+                preexec_fn=lambda: enter(namespace), env=node_env(self.clocks[role]),
+                module=self.module if role == "a" else "elockd",
+            )  # fmt: skip
+        except RuntimeError as error:
+            return f"the successor did not start: {error}"
+        node.process = successor
+        try:
+            code = previous.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            stop_server(previous)
+            return "the old process still ran 15 s after its successor listened"
+        stop_server(previous)  # reaped already: closes its pipe
+        return "" if code == 0 else f"the old process exited with {code}"
 
     def stop(self) -> None:
         self.lab.stop_nodes()
@@ -224,7 +273,7 @@ def run_schedule(pair: Pair, plan: Schedule) -> Outcome:
     history = History(plan.seed, plan.ttl)
     nodes = pair.ready()
     marks = {role: len(node.log) for role, node in nodes.items()}
-    faults = Faults(pair.lab, nodes, pair.clocks)
+    faults = Faults(pair)
     clients = Clients(history, nodes, ADMIN_TOKEN, tag=f"s{plan.seed}-")
 
     async def main() -> None:

@@ -29,6 +29,9 @@ Kinds:
     cut or paused, of a key one of its holders holds.
 ``crash``
     a client that holds a key vanishes (its connection closed without a word).
+``handover``
+    a node handed over to a successor (``elockd --take-over``, what ``elockctl
+    upgrade`` starts; docs/upgrade.md): its clients must not notice.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ NODES = ("a", "b")
 KEYS = ("x0", "x1", "x2")
 CUT_MODES = ("loss", "down", "delay", "oneway")
 #: The weights of the fault kinds (a kill or a crash is cheap; so is a cut).
-KINDS = {"cut": 3, "pause": 2, "member": 1, "clock": 1, "kill": 2, "crash": 2}
+KINDS = {"cut": 3, "pause": 2, "member": 1, "clock": 1, "kill": 2, "crash": 2, "handover": 1}
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def schedule(seed: int, ttl: int = 2, length: float = 2.5, faults: int = 4) -> S
             steps.append(Step(at, kind, node, seconds, f"{jump:+.1f}"))
         elif kind == "kill":
             steps.append(Step(at, kind, rng.choice(KEYS), detail=node))
-        else:
+        else:  # crash, handover
             steps.append(Step(at, kind, node))
     steps.sort(key=lambda s: s.at)
     return Schedule(seed, ttl, length, tuple(steps))
