@@ -116,6 +116,9 @@ class Faults:
             return
         if step.kind == "pause":
             await clients.holder_asks_info(step.target)
+            # Within an ``info``'s own time (its etcd reads take a few ms): the
+            # node stops before, during or after them.
+            await trio.sleep(rng.uniform(0.0, 0.015))
         elif step.kind == "cut":
             await clients.token_holder_on(step.target)
         trouble = step.target if step.kind in ("cut", "pause") else None
@@ -128,7 +131,11 @@ class Faults:
         fault.start = time.monotonic()
         history.faults.append(fault)
         try:
-            await trio.sleep(step.seconds)
+            if step.kill_after:
+                await trio.sleep(step.kill_after)
+                other = next(node for node in self.nodes if node != step.target)
+                await self.step(Step(0.0, "kill", "x0", detail=other), history, clients, rng)
+            await trio.sleep(step.seconds - step.kill_after)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(undo)

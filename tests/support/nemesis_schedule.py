@@ -15,7 +15,9 @@ Kinds:
     ``down`` (its link to etcd down), ``delay`` (every byte between node A and
     etcd held 2 s), ``oneway`` (only the node's frames to etcd dropped; etcd's
     still arrive); the runner waits (up to 1 s) until one of the node's holders
-    that ask only ``token`` holds a key.
+    that ask only ``token`` holds a key. One cut in three has an operator's
+    ``kill`` of that node's key inside it, through the other node, 0.1-0.8 s in
+    (before the node's own deadline).
 ``pause``
     a node stopped (SIGSTOP) with its network intact, then continued; the runner
     waits (up to 1 s) for one of its holders to send ``info``, so that the node
@@ -53,11 +55,15 @@ class Step:
     target: str
     seconds: float = 0.0
     detail: str = ""
+    #: A cut only: this many seconds into it, an operator kills a key a holder of
+    #: the cut node holds, through the other node (0: no kill).
+    kill_after: float = 0.0
 
     def __str__(self) -> str:
         extra = f" {self.detail}" if self.detail else ""
         span = f" for {self.seconds:.1f} s" if self.seconds else ""
-        return f"+{self.at:.1f} s {self.kind} {self.target}{extra}{span}"
+        kill = f", kill at +{self.kill_after:.1f} s" if self.kill_after else ""
+        return f"+{self.at:.1f} s {self.kind} {self.target}{extra}{span}{kill}"
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,10 @@ def schedule(seed: int, ttl: int = 2, length: float = 2.5, faults: int = 4) -> S
         node = rng.choice(NODES)
         if kind == "cut":
             mode = rng.choice(CUT_MODES)
-            steps.append(Step(at, kind, "a" if mode == "delay" else node, seconds, mode))
+            # One cut in three has a kill inside it, before the node's deadline.
+            kill = round(rng.uniform(0.1, 0.8), 1) if rng.random() < 1 / 3 else 0.0
+            target = "a" if mode == "delay" else node
+            steps.append(Step(at, kind, target, max(seconds, kill + 0.5), mode, kill))
         elif kind == "pause":
             steps.append(Step(at, kind, node, seconds))
         elif kind == "member":
