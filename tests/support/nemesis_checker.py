@@ -246,13 +246,16 @@ class Holds:
                 hold.reports.append(exchange)
 
     def _named(self, key: str, owner: str, token: str, exchange: Exchange) -> Hold | None:
-        """The hold a report names: by its token, else the owner's hold of the key
-        whose grant was sent before the report's reply came."""
+        """The hold a report names: by its token, else the owner's last hold of the
+        key whose grant was sent before the report's reply came (of those whose
+        token is not known, when the report gives one: never a hold whose token
+        differs)."""
         candidates = [h for h in self.by_key.get(key, []) if h.session == owner]
         if token != "-":
             for hold in candidates:
                 if hold.token == int(token):
                     return hold
+            candidates = [h for h in candidates if h.token is None]
         assert exchange.received is not None
         before = [h for h in candidates if h.grant.sent <= exchange.received]
         return before[-1] if before else None
