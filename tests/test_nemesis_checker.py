@@ -171,3 +171,17 @@ def test_shared_holders_above_the_limit_are_caught() -> None:
     ask(history, "as9", "renew s0 ttl=3", 1.45, "200 Renewed")
     assert kinds(history) == ["shared"]
     assert len(check(history)) == 2  # the reply's count, and the holders at once
+
+
+def test_a_hold_killed_and_taken_again_by_its_session_is_a_new_hold() -> None:
+    """``lock K`` again after a kill of K is a new grant with a new token, not
+    the old hold's token changing."""
+    history = History(seed=7, ttl=2)
+    ask(history, "bh2", "lock x0 2", 1.0, "200 Acquired")
+    ask(history, "bh2", "token x0", 1.1, f"200 {TOKEN}")
+    ask(history, "bk3", "kill x0", 1.2, "200 Killed 1")
+    ask(history, "bh2", "lock x0", 1.3, "200 Acquired")
+    ask(history, "bh2", "token x0", 1.4, f"200 {TOKEN + 1}")
+    assert check(history) == []
+    history.exchanges[2].reply = "403 Forbidden"  # no kill: the token changed
+    assert kinds(history) == ["token"]

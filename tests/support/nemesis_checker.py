@@ -87,7 +87,7 @@ class Hold:
     #: When its client stopped holding it as far as the client knows: unlock
     #: sent, told lost, crashed (None: held to the end).
     ended: float | None = None
-    #: Why it ended: "unlock", "told", "crash", "closed".
+    #: Why it ended: "unlock", "told", "crash", "closed", "killed".
     how: str = ""
 
     @property
@@ -140,6 +140,11 @@ class Holds:
         self.asked: set[tuple[str, str]] = set()
         current: dict[tuple[str, str], Hold] = {}
         exchanges = sorted(history.exchanges, key=lambda e: e.sent)
+        #: When an operator's ``kill`` of each key was sent (answered ``200 Killed``).
+        self.kills: dict[str, list[float]] = defaultdict(list)
+        for exchange in exchanges:
+            if exchange.verb == "kill" and (exchange.reply or "").startswith("200 Killed"):
+                self.kills[exchange.words[1]].append(exchange.sent)
         for exchange in exchanges:
             self._session_step(exchange, current)
         for (session, _), hold in current.items():
@@ -162,6 +167,14 @@ class Holds:
                 if reply not in GRANTED:
                     continue
                 held = self._hold(session, key, current)
+                if held is not None and any(
+                    held.grant.sent < kill < exchange.sent for kill in self.kills[key]
+                ):
+                    # Killed meanwhile, maybe: the session no longer holds the key,
+                    # and this ``200`` may be a new grant (a new token). A new hold.
+                    held.ended, held.how = exchange.sent, "killed"
+                    del current[(session, key)]
+                    held = None
                 if held is not None:
                     held.confirmations.append(exchange)
                 else:
@@ -321,8 +334,10 @@ def tokens(key: str, holds: list[Hold]) -> Iterable[Violation]:
     for i, first in enumerate(known):
         for second in known[i + 1 :]:
             assert first.token is not None and second.token is not None
-            if first.token == second.token and first.session != second.session:
-                yield Violation("token", key, f"{first} and {second} share a token")
+            if first.token == second.token:
+                if first.session != second.session:
+                    yield Violation("token", key, f"{first} and {second} share a token")
+                # else one hold, taken for two (a kill that evicted someone else)
             elif first.start < second.grant.sent and first.token >= second.token:
                 yield Violation(
                     "token", key, f"{second} granted after {first} has a token not above it"
