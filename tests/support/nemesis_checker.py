@@ -467,21 +467,30 @@ def watches(history: History, holds: Holds) -> Iterable[Violation]:
 
 def freed(history: History, holds: Holds) -> Iterable[Violation]:
     bound = free_bound(history)
-    run_end = max((e.sent for e in history.exchanges), default=0.0)
+    run_end = max((e.received or e.sent for e in history.exchanges), default=0.0)
     for key, key_holds in holds.by_key.items():
         for hold in key_holds:
             crashed = history.crashes.get(hold.session)
             if crashed is None or hold.how != "crash":
                 continue
-            if crashed + bound > run_end:
-                continue  # the run ended first: the end-of-run probe judges it
+            deadline = crashed + bound
             later = [h.start for h in key_holds if h.session != hold.session and h.start > crashed]
-            if not later or min(later) > crashed + bound:
+            if later and min(later) <= deadline:
+                continue
+            # Not granted in time: a fault only if someone asked for it before the
+            # deadline and was still waiting after it (the run may have ended first).
+            waited = [
+                e for e in history.exchanges
+                if e.session != hold.session and e.verb in ("lock", "g", "mlock")
+                and key in e.words[1:] and crashed <= e.sent <= deadline
+                and (e.received or run_end) > deadline
+            ]  # fmt: skip
+            if waited:
                 when = f"at {min(later):.3f}" if later else "never"
                 yield Violation(
                     "freed", key,
                     f"{hold}'s client crashed at {crashed:.3f}; granted again {when}, "
-                    f"bound {bound:.1f} s",
+                    f"bound {bound:.1f} s: {show(waited[0])}",
                     crashed,
                 )  # fmt: skip
     # The runner's probes after the run (sessions named NODE + "p" + number).
