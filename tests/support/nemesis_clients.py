@@ -114,6 +114,8 @@ class Clients:
         #: Set when a holder of the node that asks only ``token`` got a key (a cut
         #: waits for one).
         self.token_holder = {node: trio.Event() for node in nodes}
+        #: The holders that hold a key now and ask only ``token`` about it.
+        self.token_only: set[str] = set()
         history.throttles[tag + "t0"] = THROTTLE
         history.lease_ttl = LEASE
 
@@ -172,6 +174,7 @@ class Clients:
                     await self.hold_once(conn, rng, held)
             finally:
                 del self.holding[conn.name]
+                self.token_only.discard(conn.name)
         # Cancelled by a crash: the connection is closed without another word.
         self.history.crashes[conn.name] = time.monotonic()
 
@@ -201,6 +204,7 @@ class Clients:
         # waits for it.
         only_token = rng.random() < 0.5
         if only_token:
+            self.token_only.add(conn.name)
             self.token_holder[conn.node].set()
         longest = until + 3 * self.history.ttl
         while time.monotonic() < until or (self.troubled[conn.node] and time.monotonic() < longest):
@@ -218,6 +222,7 @@ class Clients:
                 ok = await conn.ask(f"lock {key}") == "200 Acquired" or release == "r"
             if not ok:
                 raise Gone  # told lost: a fresh session, as a client would
+        self.token_only.discard(conn.name)
         for key in keys:
             await conn.ask(f"{release} {key}")
         held.clear()
@@ -319,8 +324,9 @@ class Clients:
     async def token_holder_on(self, node: str, limit: float = 1.0) -> None:
         """Return once a holder of ``node`` that asks only ``token`` holds a key (or
         after ``limit``): a cut that comes then finds it asking on through the cut."""
-        if not any(n.startswith(node) and held for n, (held, _) in self.holding.items()):
-            self.token_holder[node] = trio.Event()
+        if any(name.startswith(node) for name in self.token_only):
+            return
+        self.token_holder[node] = trio.Event()
         with trio.move_on_after(limit):
             await self.token_holder[node].wait()
 
