@@ -195,7 +195,15 @@ class Lab:
 
     # ----------------------------------------------------------------- nodes
 
-    def start_node(self, role: str, *args: str, via_proxy: bool = False) -> LabNode:
+    def start_node(
+        self,
+        role: str,
+        *args: str,
+        via_proxy: bool = False,
+        env: dict[str, str] | None = None,
+        module: str = "elockd",
+    ) -> LabNode:
+        """Node ``role`` with ``args``; ``env`` and ``module`` as for start_server."""
         endpoints = [m.url for m in self.etcd.members.values()]
         if via_proxy:
             if self.proxy is None:
@@ -207,7 +215,7 @@ class Lab:
         log: list[str] = []
         process, port = start_server(
             "--host", self.front(role), "--etcd", ",".join(endpoints), *args,
-            log=log, preexec_fn=lambda: enter(namespace),
+            log=log, preexec_fn=lambda: enter(namespace), env=env, module=module,
         )  # fmt: skip
         node = LabNode(role, process, self.front(role), port, log)
         self.nodes.append(node)

@@ -26,15 +26,17 @@ def start_server(
     log: list[str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
     env: dict[str, str] | None = None,
+    module: str = "elockd",
 ) -> tuple[subprocess.Popen[str], int]:
     """Start elockd on a free port; returns the process and the port.
 
     ``log``, when given, receives every line the server logs (from a thread, so a
     full pipe can never stall the server); ``preexec_fn`` runs in the child before
     it starts (to set resource limits, say); ``env``, when given, is the child's
-    whole environment (a skewed clock, say)."""
+    whole environment (a skewed clock, say); ``module`` is what ``python -m`` runs
+    (a test's wrapper around elockd's main, say)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "elockd", "--port", "0", "--metrics-port", "0", *args],
+        [sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", *args],
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=preexec_fn,
