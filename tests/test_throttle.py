@@ -3,7 +3,9 @@
 ``wait=``, peeks, bad requests, counters and ``--max-throttles``.
 
 In memory the test runs on a MockClock, so every time is exact; on a cluster node
-it runs in real time, so times are read with a margin (:func:`near`).
+it runs in real time, so times are read with a margin (:func:`near`), a fraction of
+a second: the cluster variants run with the latency-bound tests (``serial``), alone,
+never beside the rest of the suite.
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ import trio
 
 from tests.support.line_client import LineClient, RunningServer
 from tests.support.polling import eventually, stats_showing
+
+
+@pytest.fixture(
+    params=["memory", pytest.param("cluster", marks=[pytest.mark.cluster, pytest.mark.serial])]
+)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The contract's two backends; the cluster's runs alone (sub-second margins)."""
+    return str(request.param)
+
 
 REPLY = re.compile(
     rb"(?P<code>200|409) limit=(?P<limit>\d+) remaining=(?P<remaining>\d+)"

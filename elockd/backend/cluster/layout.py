@@ -201,7 +201,13 @@ def parse_entry_value(value: bytes) -> EntryValue:
     """The parts of an entry value. A malformed one reads as a held exclusive entry
     with no owner: it then blocks others (safe), never lets them through."""
     if value.startswith(KILLED_MARK):
-        return replace(parse_entry_value(value[len(KILLED_MARK) :]), killed=True)
+        # One mark at most; a value that repeats it (written by something else under
+        # the prefix) reads as malformed, not as a recursion as deep as it is long.
+        return replace(_parse_unmarked(value[len(KILLED_MARK) :]), killed=True)
+    return _parse_unmarked(value)
+
+
+def _parse_unmarked(value: bytes) -> EntryValue:
     flag, _, rank = value.split(b" ", 1)[0].partition(b":")
     with_peer = flag in (b"W", b"H")
     parts = value.split(b" ", 4 if with_peer else 3)

@@ -370,7 +370,9 @@ class LockRecipe:
         if waiter.state == GRANTED and kind == SHARED:
             with trio.CancelScope(shield=True):  # an unmarked grant would block the queue
                 marked = await self._mark_held(entries[0], revision, limit, ttl, session)
-            if not marked:
+            # The mark awaited etcd: a kill may have marked (and this node deleted)
+            # the entry meanwhile, as for a grant from a txn's answer.
+            if not marked or not self._still_ours(session, entries, revision):
                 waiter.state = LOST
         if waiter.state == GRANTED:
             ranks = {
@@ -423,10 +425,17 @@ class LockRecipe:
         """Did an operator's ``kill`` mark an entry of this request before its grant
         was given (the node's watch brought the mark before the txn's answer was
         acted on)? This node acknowledges the kill by deleting the entry, after
-        which another node may grant the key: the grant is not given."""
+        which another node may grant the key: the grant is not given. Nor is it when
+        the mirror, past the request's revision, no longer has the entry: the
+        acknowledgement may already have deleted it while the txn's answer was on
+        its way (a slow reply), and the key may be someone else's by now."""
+        reached = self.mirror.revision >= revision
         for etcd_key in entries:
             found = self.mirror.entry(etcd_key)
-            if found is not None and found.revision == revision and found.killed:
+            if found is None or found.revision != revision:
+                if reached:
+                    return True
+            elif found.killed:
                 return True
         return False
 

@@ -226,8 +226,13 @@ class Takeover:
         for start in range(0, max(len(kept), len(strays)), MOVES_PER_TXN):
             moving = kept[start : start + MOVES_PER_TXN]
             gone = strays[start : start + MOVES_PER_TXN]
+            # Each moved entry is guarded by its mod revision too: a kill's mark
+            # keeps the create revision, and a move of the value read before it
+            # would erase the mark (the takeover then fails; the kill stands).
             result = await self.calls.txn(
-                [guard] + [compare_create(kv.key, "==", kv.create_revision) for kv in moving],
+                [guard]
+                + [compare_create(kv.key, "==", kv.create_revision) for kv in moving]
+                + [compare_mod(kv.key, "==", kv.mod_revision) for kv in moving],
                 [put_op(kv.key, kv.value, lease) for kv in moving]
                 + [
                     txn_op([compare_create(kv.key, "==", kv.create_revision)], [delete_op(kv.key)])
