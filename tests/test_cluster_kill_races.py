@@ -10,7 +10,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from elockd.backend.cluster.etcd.client import put_op
+from elockd.backend.cluster.etcd.client import KeyValue, put_op
 from elockd.backend.cluster.layout import (
     EXCLUSIVE,
     KILLED_MARK,
@@ -23,6 +23,9 @@ from elockd.backend.cluster.records import SessionRecord
 from elockd.backend.interface import BackendUnavailable
 from tests.test_cluster_deadline import delete, put
 from tests.test_cluster_kill import A_LEASE, HOLDER_TAG, Scene
+
+#: A range read's answer: (revision, the keys, their count).
+Read = tuple[int, list[KeyValue], int]
 
 
 async def test_a_grant_whose_entry_went_before_its_answer_is_not_given(
