@@ -4,9 +4,10 @@ disabled, a planted fault for the nemesis's checker to catch.
 A node confirms a hold only while its etcd lease is within its local deadline
 (``NodeLease.past_deadline``, ``check_expiry``, the deadline timer, and the reply
 gate's ``cannot_vouch``). Here those four are replaced in this process before
-elockd's main runs, so a node cut from etcd or paused goes on confirming holds that etcd has freed and the other node has
-granted: two holders. Nothing of this is in elockd; the test starts this module
-instead of ``elockd`` (tests/support/server_process.py, ``module``).
+elockd's main runs, so a node cut from etcd or paused goes on confirming holds
+that etcd has freed and the other node has granted: two holders. Nothing of this
+is in elockd; the test starts this module instead of ``elockd``
+(tests/support/server_process.py, ``module``).
 """
 
 from __future__ import annotations
