@@ -90,6 +90,31 @@ async def test_info_answered_before_a_pause_is_not_sent_after_it(
     await space.client.aclose()
 
 
+async def test_info_read_before_a_loss_is_not_sent_on_the_new_lease(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """The pause outlasts the lease; on resume the node loses its sessions and gets
+    a new lease before the reply to ``info`` (read before the pause) is made. The
+    node has a lease within its deadline again, but not the one the read was made
+    under: the reply is the refusal. A request read after the loss is answered."""
+    space, conn = node()
+    head = KeyValue(space.layout.entry(EXCLUSIVE, b"k", 3), entry_value(1, None, b"o"), 10, 10, 9)
+
+    async def describe(key: bytes) -> tuple[KeyValue | None, int, int]:
+        answer = (head, 0, 0)  # etcd has answered ...
+        if space.lease.id == 7:
+            await trio.sleep_until(space.lease.deadline + 1.0)  # ... the node is paused,
+            space.lease.check_expiry()  # its timer loses the sessions on resume,
+            space.lease.renewed(8, trio.current_time(), TTL)  # and etcd grants a new lease
+        return answer
+
+    space.recipe.describe = describe  # type: ignore[method-assign]
+    assert await reply_to(conn, b"info k") == WORD.unavailable
+    await trio.sleep(0.1)
+    assert (await reply_to(conn, b"info k")).startswith(b"200 key=k exclusive=o ")
+    await space.client.aclose()
+
+
 async def test_info_without_a_pause_is_answered(mock_clock: trio.testing.MockClock) -> None:
     """The same read, no pause: the hold is described (the gate passes)."""
     space, conn = node()
@@ -117,7 +142,8 @@ async def test_ls_past_the_deadline_says_so(mock_clock: trio.testing.MockClock) 
     assert await reply_to(conn, b"ls") == WORD.unavailable
     assert space.lease.id == 0  # the sessions were lost with the lease
     assert await reply_to(conn, b"ls") == WORD.unavailable
-    space.lease.renewed(8, trio.current_time(), TTL)  # etcd answers again
+    await trio.sleep(0.01)  # a request read after the loss ...
+    space.lease.renewed(8, trio.current_time(), TTL)  # ... once etcd answers again
     assert (await reply_to(conn, b"ls")).startswith(b"k exclusive=o ")
     await space.client.aclose()
 
@@ -193,5 +219,5 @@ async def test_a_watcher_is_woken_when_the_lease_is_lost(
     watcher.wake = lambda: woken.append("woken")
     space.lease.gone("test")
     assert woken == ["woken"]
-    assert space.lease.cannot_vouch()
+    assert space.lease.cannot_vouch(trio.current_time())
     await space.client.aclose()

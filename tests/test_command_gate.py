@@ -168,7 +168,7 @@ class Lapsing(MemoryBackend):
     stale = False
 
     def deadline_gate(self) -> object:  # type: ignore[override]
-        return lambda: self.stale
+        return lambda asked: self.stale
 
 
 def lapsing_service() -> tuple[Service, Lapsing]:

@@ -238,11 +238,12 @@ class Backend(ABC):
 
     # The deadline gate: every reply that confirms, describes or lists a hold passes
     # it after the last await of its request (elockd.protocol.connection.gated).
-    def deadline_gate(self) -> Callable[[], bool] | None:
+    def deadline_gate(self) -> Callable[[float], bool] | None:
         """What the gate asks, as late as it can, before a reply about a hold is
-        sent: True when this backend can no longer vouch for its answers about
-        holds (a cluster node past its lease's local deadline, or without a
-        lease), and the reply becomes the family's refusal. None when every answer
+        sent, given when its request was read: True when this backend can no longer
+        vouch for what it answers about holds (a cluster node past its lease's
+        local deadline, without a lease, or whose sessions were lost since the
+        request was read), and the reply becomes the family's refusal. None when every answer
         holds good whenever it is sent (one process's memory decides alone): then
         no reply pays for a check at all."""
         return None

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import trio
+
 from elockd.backend.interface import Later
 from elockd.backend.state import Record, StateError, raw, text
 from elockd.engine.sessions import Session
@@ -201,7 +203,8 @@ def rebuild_connections(
                     raise StateError(f"a waiting request of a verb that never waits: {reply}")
                 pending = Outcome(pending_later(ref), finish, WORD, peer)
                 if service.stale is not None:  # a grant is about a hold: the gate
-                    gated(pending, WORD.unavailable, service.stale, conn)
+                    # Read anew here: only a loss on this node counts from now on.
+                    gated(pending, WORD.unavailable, service.stale, trio.current_time(), conn)
                 backlog.pending = pending
         reader = LineReader(service.config.max_line)
         reader.resume(raw(record["partial"]), record["discarding"])

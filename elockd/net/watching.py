@@ -79,12 +79,13 @@ async def serve_watch(conn: Connection, rest: Parked, pause: Pause[Parked]) -> N
 
 
 async def _stream(
-    watcher: Watcher, rest: Parked, pause: Pause[Parked], stale: Callable[[], bool] | None
+    watcher: Watcher, rest: Parked, pause: Pause[Parked], stale: Callable[[float], bool] | None
 ) -> End:
     """Run the reader and the drainer until one of them ends the stream. ``stale``:
     the deadline gate, asked before each wait and each send (None: never stale)."""
     end = End.GONE
     transport, reader = rest.transport, rest.reader
+    since = trio.current_time()  # a loss of the node's sessions after this ends it
 
     def stop(why: End) -> None:
         nonlocal end
@@ -108,7 +109,7 @@ async def _stream(
                 return stop(End.OVERFLOWED)
             if pause.requested:
                 return stop(End.PAUSED)
-            if stale is not None and stale():
+            if stale is not None and stale(since):
                 return stop(End.STALE)
             if not watcher.lines:
                 woken = trio.Event()

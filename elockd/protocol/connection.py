@@ -195,12 +195,15 @@ Reply = bytes | Outcome | Streamed | Delayed
 #: A handler: (connection, what follows the verb, now) for the terse family, and
 #: (connection, the split arguments, now) for the word family.
 Handler = Callable[["Connection", Any, float], Reply]
-#: A backend's deadline gate (:meth:`~elockd.backend.interface.Backend.deadline_gate`):
-#: True when the backend can no longer vouch for what it would say about a hold.
-Stale = Callable[[], bool]
+#: A backend's deadline gate (:meth:`~elockd.backend.interface.Backend.deadline_gate`),
+#: given when the request was read: True when the backend can no longer vouch for
+#: what it would say about a hold read since then.
+Stale = Callable[[float], bool]
 
 
-def gated(reply: Reply, refusal: bytes, stale: Stale, conn: Connection | None = None) -> Reply:
+def gated(
+    reply: Reply, refusal: bytes, stale: Stale, asked: float, conn: Connection | None = None
+) -> Reply:
     """The deadline gate: ``reply``, about a hold, as it may be sent, checked at the
     last moment before it is sent and after every await of its request.
 
@@ -214,14 +217,16 @@ def gated(reply: Reply, refusal: bytes, stale: Stale, conn: Connection | None = 
       tell it from rows. A ``watch`` refused so ends its connection.
 
     ``refusal`` is the family's (``0 Backend Unavailable``, ``409 Backend
-    Unavailable``). A stale backend's reply is never the stale hold."""
+    Unavailable``); ``asked``, when the request was read (a node whose sessions
+    were lost since may have read holds that etcd freed meanwhile). A stale
+    backend's reply is never the stale hold."""
     if isinstance(reply, bytes):
-        return refusal if reply and stale() else reply
+        return refusal if reply and stale(asked) else reply
     if isinstance(reply, Outcome):
         finish = reply.finish
 
         def checked(value: Any) -> bytes | Streamed:
-            made = gated(finish(value), refusal, stale, conn)
+            made = gated(finish(value), refusal, stale, asked, conn)
             assert isinstance(made, bytes | Streamed)
             return made
 
@@ -229,7 +234,7 @@ def gated(reply: Reply, refusal: bytes, stale: Stale, conn: Connection | None = 
         reply.finish = checked  # a waiting reply by what it wraps (inspect.unwrap)
         return reply
     if isinstance(reply, Streamed):
-        return Streamed(_gated_chunks(reply.chunks, refusal, stale, conn))
+        return Streamed(_gated_chunks(reply.chunks, refusal, stale, asked, conn))
     return reply  # Delayed: a wrong auth token, about no hold
 
 
@@ -238,7 +243,11 @@ CUT_END = b"END\r\n"
 
 
 def _gated_chunks(
-    chunks: Iterator[bytes], refusal: bytes, stale: Stale, conn: Connection | None
+    chunks: Iterator[bytes],
+    refusal: bytes,
+    stale: Stale,
+    asked: float,
+    conn: Connection | None,
 ) -> Iterator[bytes]:
     """Each chunk once made and checked. Once stale: before anything was sent,
     ``refusal`` alone (the one-line refusal a client expects in place of a
@@ -247,7 +256,7 @@ def _gated_chunks(
     looks like it). A ``watch`` gets the refusal alone, and its connection ends."""
     started = False
     for chunk in chunks:
-        if stale():
+        if stale(asked):
             if conn is not None and conn.watcher is not None:
                 conn.closing = True  # a watch that cannot vouch for its stream ends
                 yield refusal
@@ -345,7 +354,7 @@ class Command:
         call, refusal = self.call, self.family.unavailable
 
         def checked(conn: Connection, rest: bytes, now: float) -> Reply:
-            return gated(call(conn, rest, now), refusal, stale, conn)
+            return gated(call(conn, rest, now), refusal, stale, now, conn)
 
         copy.call = checked
         return copy

@@ -69,6 +69,10 @@ class NodeLease:
         self._lose_all = lose_all
         self.id = 0
         self.deadline = math.inf
+        #: When the sessions under a lease were last lost: what a request read
+        #: before it may describe holds etcd has freed since, whatever lease the
+        #: node has by the time it answers (see :meth:`cannot_vouch`).
+        self.lost_at = -math.inf
         #: Set while the node has a lease: a request waits on it while the node
         #: gets a new one (see :meth:`wait_for_lease`).
         self._ready = trio.Event()
@@ -131,14 +135,17 @@ class NodeLease:
         if session.lost or self.past_deadline():
             raise BackendUnavailable("session lost: this node's etcd lease ran out")
 
-    def cannot_vouch(self) -> bool:
+    def cannot_vouch(self, asked: float) -> bool:
         """The deadline gate (:meth:`~elockd.backend.interface.Backend.deadline_gate`),
-        asked after the last await of every reply about a hold: True past the local
-        deadline (the sessions are then lost, as at the timer), and True without a
-        lease (lost, and no new one yet: etcd may not be answering, and the node's
-        copy of the queues may be frozen at the moment it was cut off)."""
+        asked after the last await of every reply about a hold read at ``asked``:
+        True past the local deadline (the sessions are then lost, as at the timer);
+        True without a lease (lost, and no new one yet: etcd may not be answering,
+        and the node's copy of the queues may be frozen at the moment it was cut
+        off); and True when the sessions were lost since ``asked``, even if the node
+        has a new lease by now: what the request read (an etcd answer that came just
+        before a pause, say) may describe holds etcd freed meanwhile."""
         self.check_expiry()
-        return not self.id or trio.current_time() >= self.deadline
+        return not self.id or trio.current_time() >= self.deadline or self.lost_at >= asked
 
     async def wait_for_lease(self) -> None:
         """Return once the node has a lease, waiting up to the etcd deadline while
@@ -169,6 +176,7 @@ class NodeLease:
             return
         old = self.id
         self.set(0, math.inf)
+        self.lost_at = trio.current_time()
         self._lose_all(why)
         self.calls.keeper_wanted.set()  # a new lease at once
 
@@ -197,6 +205,7 @@ class NodeLease:
             if remaining:
                 self.renewed(lease, sent, remaining)
                 return
+            self.lost_at = trio.current_time()
             self._lose_all("the node's etcd lease ran out during the hand-over")
         await self.grant()
 

@@ -142,7 +142,7 @@ class ClusterLockSpace(Backend):
             if watcher.wake is not None:
                 watcher.wake()
 
-    def deadline_gate(self) -> Callable[[], bool]:
+    def deadline_gate(self) -> Callable[[float], bool]:
         return self.lease.cannot_vouch
 
     def background(self) -> Callable[..., Awaitable[None]]:
