@@ -67,6 +67,7 @@ NEMESIS_SEED ?=
 nemesis: $(VENV)/.installed-test
 	$(BIN)/python -m tests.support.nemesis_run --schedules $(NEMESIS_SCHEDULES) \
 		$(if $(NEMESIS_SEED),--seed $(NEMESIS_SEED))
+	NEMESIS_PLANTED=1 $(BIN)/python -m pytest -q -s tests/test_nemesis.py -k catches
 
 # Benchmarks, not tests: elockd beside redis-server (when installed), pinned with
 # taskset, ratios printed per row. BENCH_ARGS passes options (see bench/run.py

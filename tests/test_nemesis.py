@@ -60,6 +60,11 @@ def test_schedules_of_mixed_faults_pass_the_checker(nemesis_lab: tuple[Lab, Path
     assert failed == [], f"violations with seeds {failed} (make nemesis NEMESIS_SEED=S reruns one)"
 
 
+@pytest.mark.skipif(
+    os.environ.get("NEMESIS_PLANTED") != "1",
+    reason="make nemesis runs it (NEMESIS_PLANTED=1): whether a run lands a holder of A "
+    "on a key B wants during the cut is chance, too often missed for CI",
+)
 def test_the_checker_catches_a_node_whose_deadline_check_is_off(
     nemesis_lab: tuple[Lab, Path],
 ) -> None:
