@@ -64,3 +64,5 @@ async def test_a_silent_head_is_passed_over_after_the_grace(nodes: Nodes) -> Non
     with trio.fail_after(5):
         back = await head.line()
     assert back.startswith(b"409 "), back
+    # A wait whose place was passed over ends as one that ran out, and counts so.
+    await eventually(lambda: stats_showing(first, timeouts=1))

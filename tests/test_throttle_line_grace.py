@@ -21,15 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elockd.backend.cluster.layout import parse_tat_value, tat_value
-from elockd.backend.cluster.throttle_book import (
-    NO_TAT,
-    behind,
-    head_turn,
-    judge_in_line,
-    passed_entries,
-)
+from elockd.backend.cluster.throttle_book import NO_TAT, behind, head_turn, judge_in_line
 from elockd.engine.gcra import EPSILON, Rate
-from elockd.engine.line_grace import passed_over, turn
+from elockd.engine.line_grace import passed_entries, passed_over, turn
 
 GRACE = 1.0
 RATE = Rate(2, 1.0, 1, 1)  # 0.5 s a unit, burst 1
@@ -144,8 +138,7 @@ class Key:
         while self.line:
             head = self.line[0]
             if not head.silent:
-                _, _, due = head_turn(self.tat, -1e18, RATE)
-                due = max(due, self.since)
+                due = turn(self.tat, self.since, UNITS, CAPACITY)
                 if due > until:
                     return
                 verdict, after, _ = head_turn(self.tat, due + EPSILON / 2, RATE)

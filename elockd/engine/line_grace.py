@@ -6,7 +6,8 @@ cluster the head is admitted by its own node, and a node cut from etcd cannot: i
 head would hold the whole line until etcd lapses the node's lease. So a head that
 has not taken its turn ``grace`` seconds after it came is *passed over*: the next
 waiter becomes the head (and its turn comes no earlier than that moment), and a
-request that does not wait is judged as if the passed-over head had left.
+request that does not wait is admitted as if the passed-over head had left (its
+refusal may still count the head's turn in ``retry``: later, never sooner).
 
 Every node computes this from what etcd holds alone (the key's TAT, the wall time
 ``since`` of the write that set it, the line's rates) and its own wall clock, so
@@ -21,10 +22,13 @@ GCRA allows, whoever is admitted next.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-#: A waiter as the rule sees it: (units, capacity), N·T and B·T of its own rate.
+#: A waiter as the rule (and a request behind it) sees it: (units, capacity), N·T
+#: and B·T of its own rate.
 Step = tuple[float, float]
+#: A line entry as passing over names it: (etcd key, create revision, node).
+Head = tuple[bytes, int, str]
 
 
 def turn(tat: float, since: float, units: float, capacity: float) -> float:
@@ -55,3 +59,15 @@ def passed_over(
         came = due
         count += 1
     return count, math.inf
+
+
+def passed_entries(heads: Sequence[Head], count: int) -> tuple[Head, ...]:
+    """What passing over the first ``count`` of ``heads`` (a line's first entries,
+    oldest first) removes: them, and every later entry of those ``heads`` that the
+    same nodes serve. A node that let a turn pass cannot take the next one either
+    (it is cut from etcd, paused or stuck): each of its entries would cost the line
+    one more grace when it came to the head."""
+    if not count:
+        return ()
+    silent = {node for _, _, node in heads[:count]}
+    return (*heads[:count], *(head for head in heads[count:] if head[2] in silent))

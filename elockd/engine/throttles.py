@@ -33,7 +33,6 @@ from typing import NamedTuple
 
 from elockd.engine.bookkeeping import Bookkeeping, QueueFull
 from elockd.engine.gcra import EPSILON, Rate, Verdict, admit_at, judge
-from elockd.engine.line_grace import turn as head_turn
 from elockd.engine.sessions import CANCELLED, GRANTED, WAITING, Session
 
 #: The key kind a throttle wait reports to the wait-time histograms (0 and 1 are
@@ -293,9 +292,7 @@ class Throttles:
         while line:
             head = next(iter(line))
             tat = self.tats.get(key, -math.inf)
-            # The turn as every backend words it (a head here always takes it).
-            rate = head.rate
-            turn = head_turn(tat, head.since, rate.cost * rate.interval, rate.capacity)
+            turn = max(admit_at(tat, head.rate), head.since)
             if turn > head.deadline + EPSILON and head.deadline < now:
                 self._drop(head, line, now, timed_out=True)
                 continue

@@ -38,7 +38,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 import trio
@@ -67,17 +67,15 @@ from elockd.backend.cluster.lease import NodeLease
 from elockd.backend.cluster.ledger import ClusterSession, Ledger, ThrottleWait
 from elockd.backend.cluster.throttle_book import (
     NO_TAT,
-    Ahead,
-    Head,
     ThrottleBook,
     behind,
     head_turn,
     judge_in_line,
-    passed_entries,
 )
 from elockd.backend.interface import BackendUnavailable, QueueFull
 from elockd.engine.gcra import Rate, Verdict, judge
-from elockd.engine.line_grace import passed_over
+from elockd.engine.line_grace import Head, passed_entries, passed_over
+from elockd.engine.line_grace import Step as Ahead
 from elockd.engine.throttles import THROTTLE_KIND, TooManyThrottles
 
 #: Swaps a request tries before it gives up (each lost one means another request
@@ -164,8 +162,8 @@ class ClusterThrottles:
             # Refused on this node's copy: etcd's TAT is the same or later, never
             # earlier, and waiters only add to the wait; so etcd refuses it too.
             return self._answered(judge_in_line(seen.tat, wall, rate, seen.ahead)[0])
-        if seen.heads:
-            seen = await self._pass_stale(key, seen)
+        if seen.head is not None:  # a line: are heads of it to be passed over?
+            seen = await self._pass_stale(key, replace(seen, heads=self._heads(key)))
         if wait <= 0:
             return await self._swap(key, rate, seen)
         return await self._swap_or_queue(session, key, rate, wait, seen)
@@ -184,7 +182,12 @@ class ClusterThrottles:
             self.ledger.throttled += 1
         return verdict
 
-    def _look(self, key: bytes, before: int = 1 << 62, *, skip: int = 0) -> Seen:
+    def _look(
+        self, key: bytes, before: int = 1 << 62, *, skip: int = 0, mine: bytes | None = None
+    ) -> Seen:
+        """``key`` as this node's copy shows it. The line's first entries (what
+        passing over needs) only for a waiter, ``mine``, that is not the head: every
+        other look names them when it comes to pass (:meth:`_heads`)."""
         book = self.book
         found, head = book.tat(key), book.head(key)
         return Seen(
@@ -194,16 +197,20 @@ class ClusterThrottles:
             book.ahead(key, before, skip=skip),
             self.mirror_revision(),
             found.since if found is not None else NO_TAT,
-            book.heads(key, MAX_PASS) if head is not None else (),
+            self._heads(key) if head is not None and mine not in (None, head.etcd_key) else (),
         )
+
+    def _heads(self, key: bytes) -> tuple[Head, ...]:
+        """The first entries of ``key``'s line, as many as one txn passes over."""
+        return self.book.heads(key, MAX_PASS)
 
     # ------------------------------------------------------------- passing over
 
     def _passing(self, seen: Seen, now: float, mine: bytes = b"") -> tuple[tuple[Head, ...], float]:
         """The entries of ``seen``'s line passed over at ``now`` (wall clock): the
         heads ahead whose turn came more than the grace ago, and the later entries of
-        their nodes (:func:`.throttle_book.passed_entries`); and when the next head will be
-        (``inf``: never, as things stand). Never ``mine``, the entry of the waiter
+        their nodes (:func:`elockd.engine.line_grace.passed_entries`); and when the
+        next head will be (``inf``: never, as things stand). Never ``mine``, the entry of the waiter
         that asks: it is here to take its turn."""
         limit = min(len(seen.heads), len(seen.ahead))
         if not limit:
@@ -404,7 +411,7 @@ class ClusterThrottles:
         """The key as the later of this node's copy and etcd's last answer show it."""
         if seen is not None and seen.at > self.mirror_revision():
             return seen
-        view = self._look(state.key, state.revision)
+        view = self._look(state.key, state.revision, mine=state.etcd_key)
         if view.at >= state.revision and not self.book.has_waiter(state.etcd_key):
             self._gone()
         return view

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from typing import NamedTuple
@@ -41,28 +41,11 @@ from elockd.backend.cluster.etcd.client import KeyValue
 from elockd.backend.cluster.layout import Layout, parse_tat_value, parse_waiter_value
 from elockd.backend.cluster.throttle_lapses import Lapses
 from elockd.engine.gcra import Rate, Verdict, admit_at, judge
+from elockd.engine.line_grace import Head
+from elockd.engine.line_grace import Step as Ahead
 
 #: No state: judged as a TAT in the past.
 NO_TAT = float("-inf")
-
-
-#: A waiter as a request behind it sees it: (units, capacity), N·T and B·T of its
-#: own rate.
-Ahead = tuple[float, float]
-#: A line entry as passing over names it: (etcd key, create revision, node).
-Head = tuple[bytes, int, str]
-
-
-def passed_entries(heads: Sequence[Head], count: int) -> tuple[Head, ...]:
-    """What passing over the first ``count`` of ``heads`` (a line's first entries,
-    oldest first) removes: them, and every later entry of those ``heads`` that the
-    same nodes serve. A node that let a turn pass cannot take the next one either
-    (it is cut from etcd, paused or stuck): each of its entries would cost the line
-    one more grace when it came to the head."""
-    if not count:
-        return ()
-    silent = {node for _, _, node in heads[:count]}
-    return (*heads[:count], *(head for head in heads[count:] if head[2] in silent))
 
 
 def behind(tat: float, now: float, rate: Rate, ahead: Collection[Ahead]) -> Verdict:
