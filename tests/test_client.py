@@ -608,6 +608,9 @@ def test_checked_replies() -> None:
         ).finish()
     with pytest.raises(RequestError, match="d: 0 Backend Unavailable"):
         answered(b"d", b"k: o\r\n0 Backend Unavailable\r\nEND\r\n").finish()
+    # A whole dump whose last row's key begins like a refusal is a dump.
+    whole = answered(b"d", b"a: me\r\n400 x: me\r\nEND\r\n").finish()
+    assert whole == [b"a: me", b"400 x: me"]
     # A word verb's refusal is an answer (409: no); only auth refusals raise.
     assert answered(b"lock k", b"409 Unavailable\r\n").finish() == [b"409 Unavailable"]
 

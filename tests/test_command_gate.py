@@ -151,7 +151,7 @@ def test_the_check_fails_when_any_one_mark_is_removed() -> None:
     reported, by verb (the rows whose handlers ask the backend about holds)."""
     needed = [c for c in TABLE if asks_about_holds(c.handler.__module__, c.handler.__name__)]
     verbs = {c.verb for c in needed}
-    # Every verb the issue names whose handler asks the backend.
+    # Every verb that answers about a hold and whose handler asks the backend.
     assert {b"g", b"sg", b"i", b"si", b"d", b"sd", b"dump", b"lock", b"lock_shared"} <= verbs
     assert {b"mlock", b"renew", b"token", b"info", b"ls", b"watch", b"conn_id"} <= verbs
     for command in needed:
@@ -171,9 +171,9 @@ class Lapsing(MemoryBackend):
         return lambda asked: self.stale
 
 
-def lapsing_service() -> tuple[Service, Lapsing]:
+def lapsing_service(replies: str = "elockd") -> tuple[Service, Lapsing]:
     backend = Lapsing(first_token=100)
-    return Service(Config(), backend, {c.verb: c for c in TABLE}), backend
+    return Service(Config(replies=replies), backend, {c.verb: c for c in TABLE}), backend
 
 
 #: A request for every marked verb, each answered with something about a hold.
@@ -242,6 +242,50 @@ def test_a_streamed_listing_that_goes_stale_ends_with_the_refusal() -> None:
     assert b"key004999" not in rest
 
 
+def test_a_glockd_listing_cut_midway_ends_as_that_dialect_ends_one() -> None:
+    """glockd's ``d`` has no ``END``: a cut one ends with the refusal line alone. Its
+    ``dump`` is one line (Go's print of a map): cut inside it, no line can follow,
+    so the connection ends rather than glue the refusal onto the map."""
+    service, backend = lapsing_service("glockd")
+    conn = Connection(service, b"peer")
+    conn.handle(b"iam me", 0.0)
+    for n in range(5000):  # more than one chunk
+        whole(conn.handle(b"g key%06d" % n, 0.0))
+    stream = conn.handle(b"d", 0.0)
+    assert isinstance(stream, Streamed)
+    parts = iter(stream.chunks)
+    assert next(parts).endswith(b"\r\n")
+    backend.stale = True
+    assert b"".join(parts) == TERSE.unavailable
+    assert not conn.closing
+    backend.stale = False
+    stream = conn.handle(b"dump", 0.0)
+    assert isinstance(stream, Streamed)
+    parts = iter(stream.chunks)
+    assert not next(parts).endswith(b"\n")  # inside the map's one line
+    backend.stale = True
+    assert b"".join(parts) == b""
+    assert conn.closing
+
+
+def test_a_watch_whose_snapshot_went_out_before_the_node_lost_vouch_ends() -> None:
+    """The snapshot's last chunk went out; the stream that follows would send events
+    from before a loss: the gate asks once more after the snapshot, and the watch
+    gets the refusal in place of its stream."""
+    service, backend = lapsing_service()
+    conn = Connection(service, b"peer")
+    whole(conn.handle(b"g a", 0.0))
+    stream = conn.handle(b"watch", 0.0)
+    assert isinstance(stream, Streamed)
+    sent = []
+    for chunk in stream.chunks:
+        sent.append(chunk)
+        if chunk.endswith(b"SYNCED\r\n"):
+            backend.stale = True  # lost while the last chunk was being sent
+    assert sent[-1] == WORD.unavailable and b"SYNCED" in sent[-2]
+    assert conn.closing
+
+
 def test_a_watch_refused_by_the_gate_ends_its_connection() -> None:
     service, backend = lapsing_service()
     conn = Connection(service, b"peer")
@@ -276,6 +320,25 @@ async def test_a_live_watch_stream_that_goes_stale_says_so_and_ends(
         assert await watcher.at_eof()
     await watcher.aclose()
     await locker.aclose()
+
+
+async def test_a_refused_watch_over_a_socket_is_one_refusal_then_the_end(
+    nursery: trio.Nursery,
+) -> None:
+    """``watch`` on a node that cannot vouch: one ``409 Backend Unavailable``, then
+    the connection closes; a request behind it on the same line is not served."""
+    config = Config(host="127.0.0.1", port=0, metrics_port=0)
+    backend = Lapsing(first_token=100)
+    backend.stale = True
+    service = PausableService(config, backend, {c.verb: c for c in TABLE})
+    addresses = await nursery.start(serve, config, service)
+    port = next(a[1] for a in addresses if isinstance(a, tuple))
+    client = LineClient(await trio.open_tcp_stream("127.0.0.1", port))
+    with trio.fail_after(5):
+        await client.send(b"watch\nping\n")
+        assert await client.line() == WORD.unavailable
+        assert await client.at_eof()
+    await client.aclose()
 
 
 async def test_elockctl_watch_says_why_the_server_ended_it(

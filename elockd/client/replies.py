@@ -63,6 +63,10 @@ def opens_block(first: bytes) -> bool:
     )
 
 
+#: What a cluster node's deadline gate answers in place of a reply about holds.
+GATE_REFUSALS = frozenset({b"0 Backend Unavailable", b"409 Backend Unavailable"})
+
+
 def is_refusal(line: bytes) -> bool:
     """A one-line refusal that stands in for a multi-line reply."""
     return line in ONE_LINE_REFUSALS or line.startswith(b"400 ")
@@ -72,8 +76,9 @@ def cut_with(lines: list[bytes]) -> bytes | None:
     """The refusal that cut a multi-line reply midway, or None: a cluster node that
     stopped vouching for its holds while it listed them (its deadline gate) sends
     the refusal as the last line before ``END``, so the rows before it are not the
-    whole table. No row looks like a refusal."""
-    if len(lines) >= 2 and lines[-1] == b"END" and is_refusal(lines[-2]):
+    whole table. Only the gate's exact lines count: a row never equals one (it has
+    a key and an owner), though a terse key may begin like any refusal."""
+    if len(lines) >= 2 and lines[-1] == b"END" and lines[-2] in GATE_REFUSALS:
         return lines[-2]
     return None
 

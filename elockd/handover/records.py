@@ -204,7 +204,7 @@ def rebuild_connections(
                 pending = Outcome(pending_later(ref), finish, WORD, peer)
                 if service.stale is not None:  # a grant is about a hold: the gate
                     # Read anew here: only a loss on this node counts from now on.
-                    gated(pending, WORD.unavailable, service.stale, trio.current_time(), conn)
+                    gated(pending, WORD, service.stale, trio.current_time(), conn)
                 backlog.pending = pending
         reader = LineReader(service.config.max_line)
         reader.resume(raw(record["partial"]), record["discarding"])

@@ -19,8 +19,9 @@ reply), and the connection closes.
 
 Events describe holds, so they pass the deadline gate (the service's ``stale``,
 :func:`elockd.protocol.connection.gated`) before each send: a cluster node that can
-no longer vouch for them (past its lease's local deadline, or without a lease: the
-backend wakes its watchers when that happens) sends ``409 Backend Unavailable``
+no longer vouch for them (past its lease's local deadline, without a lease, or since
+it lost its sessions after the stream began: the backend wakes its watchers when
+that happens) sends ``409 Backend Unavailable``
 in place of them, and the connection closes. A client watches again; a node that
 cannot vouch refuses the new ``watch`` the same way until it can.
 

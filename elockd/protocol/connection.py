@@ -18,7 +18,8 @@ A reply is one of:
 
 Every reply that confirms, describes or lists a hold passes one check, the
 *deadline gate* (:func:`gated`), after the last await of its request: a cluster
-node past its lease's local deadline answers the family's refusal instead
+node past its lease's local deadline, without a lease, or that lost its sessions
+since the request was read answers the family's refusal instead
 (``0 Backend Unavailable`` / ``409 Backend Unavailable``), never a hold it may no
 longer have. The table marks which verbs answer about holds (``holds=True``); the
 :class:`Service` puts exactly those behind the gate, once, when it is made.
@@ -201,9 +202,7 @@ Handler = Callable[["Connection", Any, float], Reply]
 Stale = Callable[[float], bool]
 
 
-def gated(
-    reply: Reply, refusal: bytes, stale: Stale, asked: float, conn: Connection | None = None
-) -> Reply:
+def gated(reply: Reply, family: Family, stale: Stale, asked: float, conn: Connection) -> Reply:
     """The deadline gate: ``reply``, about a hold, as it may be sent, checked at the
     last moment before it is sent and after every await of its request.
 
@@ -212,21 +211,19 @@ def gated(
       reply (its ``finish``), so a backend answer that came just before a pause is
       not sent after it;
     * a :class:`Streamed` reply (``d``, ``ls``, ``who``, a ``watch`` snapshot):
-      checked before each chunk goes out; a stale one ends the reply with
-      ``refusal`` in place of the rest (see :func:`_gated_chunks`), so a client can
-      tell it from rows. A ``watch`` refused so ends its connection.
+      checked before each chunk goes out (:func:`_gated_chunks`).
 
-    ``refusal`` is the family's (``0 Backend Unavailable``, ``409 Backend
+    The refusal is the family's (``0 Backend Unavailable``, ``409 Backend
     Unavailable``); ``asked``, when the request was read (a node whose sessions
     were lost since may have read holds that etcd freed meanwhile). A stale
     backend's reply is never the stale hold."""
     if isinstance(reply, bytes):
-        return refusal if reply and stale(asked) else reply
+        return family.unavailable if reply and stale(asked) else reply
     if isinstance(reply, Outcome):
         finish = reply.finish
 
         def checked(value: Any) -> bytes | Streamed:
-            made = gated(finish(value), refusal, stale, asked, conn)
+            made = gated(finish(value), family, stale, asked, conn)
             assert isinstance(made, bytes | Streamed)
             return made
 
@@ -234,37 +231,50 @@ def gated(
         reply.finish = checked  # a waiting reply by what it wraps (inspect.unwrap)
         return reply
     if isinstance(reply, Streamed):
-        return Streamed(_gated_chunks(reply.chunks, refusal, stale, asked, conn))
+        return Streamed(_gated_chunks(reply.chunks, family, stale, asked, conn))
     return reply  # Delayed: a wrong auth token, about no hold
 
 
-#: What closes a listing the gate cut after some of its rows went out.
+#: What closes a word-family listing (``ls``) the gate cut after some of its rows.
 CUT_END = b"END\r\n"
 
 
 def _gated_chunks(
-    chunks: Iterator[bytes],
-    refusal: bytes,
-    stale: Stale,
-    asked: float,
-    conn: Connection | None,
+    chunks: Iterator[bytes], family: Family, stale: Stale, asked: float, conn: Connection
 ) -> Iterator[bytes]:
-    """Each chunk once made and checked. Once stale: before anything was sent,
-    ``refusal`` alone (the one-line refusal a client expects in place of a
-    listing); midway, ``refusal`` then ``END``, so that a client reading up to
-    ``END`` stays in step, and sees the refusal as the listing's last line (no row
-    looks like it). A ``watch`` gets the refusal alone, and its connection ends."""
-    started = False
+    """Each chunk once made and checked; a ``watch``'s snapshot once more after its
+    last chunk went out (its stream goes on from there). Once stale, the rest is
+    :func:`_cut`'s."""
+    last = b""
     for chunk in chunks:
         if stale(asked):
-            if conn is not None and conn.watcher is not None:
-                conn.closing = True  # a watch that cannot vouch for its stream ends
-                yield refusal
-            else:
-                yield refusal + CUT_END if started else refusal
+            yield _cut(family, conn, last)
             return
-        started = started or bool(chunk)
+        last = chunk or last
         yield chunk
+    if conn.watcher is not None and stale(asked):
+        yield _cut(family, conn, last)
+
+
+def _cut(family: Family, conn: Connection, last: bytes) -> bytes:
+    """What ends a stream the gate stopped, ``last`` being the last chunk sent:
+
+    * a ``watch``: the refusal, and its connection ends;
+    * nothing sent yet: the one-line refusal a client expects in place of a listing;
+    * midway, at a line's end: the refusal, then what ends the listing in its
+      style (``END``; nothing in glockd's), so that a client reading to the end
+      stays in step and sees the refusal as the last line (no row equals it);
+    * inside a line (glockd's ``dump`` is one line): no line can follow, so the
+      connection ends there."""
+    if conn.watcher is not None:
+        conn.closing = True
+        return family.unavailable
+    if not last:
+        return family.unavailable
+    if not last.endswith(b"\n"):
+        conn.closing = True
+        return b""
+    return family.unavailable + (CUT_END if family is WORD else conn.replies.listing_end)
 
 
 def answer(
@@ -351,10 +361,10 @@ class Command:
     def behind(self, stale: Stale) -> Command:
         """This verb with its every reply passed through the deadline gate."""
         copy = self.marked(self.holds)
-        call, refusal = self.call, self.family.unavailable
+        call, family = self.call, self.family
 
         def checked(conn: Connection, rest: bytes, now: float) -> Reply:
-            return gated(call(conn, rest, now), refusal, stale, now, conn)
+            return gated(call(conn, rest, now), family, stale, now, conn)
 
         copy.call = checked
         return copy

@@ -62,6 +62,9 @@ class TerseReplies(Protocol):
     #: Whether ``d``, ``sd`` and ``dump`` list keys in byte order (the backend then
     #: sorts them; unsorted, a dump lists them in the order the table keeps).
     sorted_dump: bool
+    #: What ends ``d``, ``sd`` and ``who`` (``END``, or nothing): also closes one
+    #: that a cluster node's deadline gate cut midway, after the refusal.
+    listing_end: bytes
 
     def unknown_verb(self, verb: bytes) -> bytes: ...
     def listing(self, lines: Iterable[bytes]) -> Iterator[bytes]:
@@ -90,6 +93,7 @@ class ElockdReplies:
     """The default: short fixed texts; lockd clients read the leading integer."""
 
     sorted_dump = False
+    listing_end = END
 
     def unknown_verb(self, verb: bytes) -> bytes:
         return b"0 Invalid Command: %s\r\n" % verb
@@ -145,6 +149,7 @@ class GlockdReplies:
     what matches nothing, ``dump`` as Go prints a map."""
 
     sorted_dump = True
+    listing_end = b""
 
     def unknown_verb(self, verb: bytes) -> bytes:
         return b""  # r312 answers nothing: its clients expect no reply at all

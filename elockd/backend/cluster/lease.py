@@ -176,8 +176,7 @@ class NodeLease:
             return
         old = self.id
         self.set(0, math.inf)
-        self.lost_at = trio.current_time()
-        self._lose_all(why)
+        self._lost(why)
         self.calls.keeper_wanted.set()  # a new lease at once
 
         # If etcd still has it (its keepalives got through, but their answers came
@@ -192,6 +191,11 @@ class NodeLease:
 
         self.calls.spawn(revoke_later, "revoke a lapsed lease")
 
+    def _lost(self, why: str) -> None:
+        """Every session under the lease is lost, now (the gate reads when)."""
+        self.lost_at = trio.current_time()
+        self._lose_all(why)
+
     # ------------------------------------------------- grant, keepalive, revoke
     # The node's start-up and its keeper call these and count or retry a failure
     # by their own rules: etcd's errors come out as they are (calls.unmapped).
@@ -205,8 +209,7 @@ class NodeLease:
             if remaining:
                 self.renewed(lease, sent, remaining)
                 return
-            self.lost_at = trio.current_time()
-            self._lose_all("the node's etcd lease ran out during the hand-over")
+            self._lost("the node's etcd lease ran out during the hand-over")
         await self.grant()
 
     async def grant(self) -> None:
