@@ -10,7 +10,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from elockd.backend.cluster.etcd.client import KeyValue, put_op
+from elockd.backend.cluster.etcd.client import Event, KeyValue, put_op
 from elockd.backend.cluster.layout import (
     EXCLUSIVE,
     KILLED_MARK,
@@ -101,3 +101,23 @@ def test_a_value_of_many_marks_reads_as_malformed_not_as_a_crash() -> None:
     read, the rest is malformed (a held entry that blocks), and nothing recurses."""
     value = parse_entry_value(KILLED_MARK * 5000 + entry_value(1, None, b"o"))
     assert value.killed and value.held and value.owner == b"?"
+
+
+async def test_a_reload_acknowledges_only_a_mark_on_the_hold_it_drops(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A node that reloads its copy finds its holder's entry re-created since (a
+    later revision, no mark): the hold is dropped as gone, and that entry, which no
+    kill marked, is not deleted as if it were an acknowledgement."""
+    scene = Scene(EXCLUSIVE)
+    try:
+        again = entry_value(1, None, b"holder")
+        scene.etcd.kvs.pop(scene.holder_entry)
+        scene.etcd.put(scene.holder_entry, again, A_LEASE)
+        recreated = scene.etcd.kvs[scene.holder_entry]
+        scene.a.mirror.apply([Event("PUT", recreated)])  # what a reload would show
+        scene.a.operators.drop_vanished()
+        assert scene.a.operators.acks == []
+        assert not scene.a_confirms()
+    finally:
+        await scene.aclose()

@@ -199,8 +199,8 @@ async def test_two_nodes_watch_list_and_kill_across_each_other(
     ]
 
     async def listed_on(client: LineClient) -> list[bytes] | None:
-        # ls reads the node's copy: what was done through the other node shows once
-        # its watch brings it, a few ms later.
+        # ls waits for the node's copy to reach etcd's revision, so what was done
+        # through the other node shows at once; polled all the same.
         listed = (await client.listing(b"ls j/")).split(b"\r\n")
         return listed if [line.split(b" ")[:4] for line in listed[:-2]] == listing else None
 

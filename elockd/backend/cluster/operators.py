@@ -74,7 +74,7 @@ log = logging.getLogger("elockd.cluster")
 #: one line per 10 s, with a count.
 evicted_log = LogThrottle(log, logging.WARNING, 10.0)
 
-#: Holds one ``kill`` txn deletes: with their compares and the marker, well within
+#: Holds one ``kill`` txn marks: with their compares and the marker, well within
 #: etcd's 128 operations per txn (--max-txn-ops). More go in further txns.
 KILLS_PER_TXN = 100
 #: Attempts of a ``kill`` whose key keeps changing under it before it fails closed.
@@ -134,8 +134,10 @@ class ClusterOperators:
                 watchers.send(matching, key, line)
 
     def _evicted(self, kind: bytes, key: bytes, entry: Entry, why: bytes) -> None:
-        """A hold of this node's books whose entry etcd deleted without this node
-        freeing it: drop it, so the session sees the key as not held."""
+        """A hold of this node's books whose entry etcd deleted, or a ``kill`` marked,
+        without this node freeing it: drop it, so the session sees the key as not
+        held. (The log line says "freed in etcd" of both: for a mark, the free
+        that follows once this node lets go.)"""
         session = self.ledger.by_tag.get(entry.tag)
         if session is None:
             return
@@ -199,7 +201,8 @@ class ClusterOperators:
                     continue  # granted from a txn the mirror has not reached yet
                 kind = SHARED if hold.shared else EXCLUSIVE
                 entry = mirror.entry(self.layout.entry(kind, hold.key, session.tag))
-                if entry is not None and entry.revision == hold.revision and not entry.killed:
+                ours = entry if entry is not None and entry.revision == hold.revision else None
+                if ours is not None and not ours.killed:
                     continue
                 self.ledger.drop(hold, now)
                 evicted_log(
@@ -208,10 +211,10 @@ class ClusterOperators:
                     hold.key[:200],
                     shown(session.peer),
                     session.tag,
-                    "killed by an operator" if entry is not None else "gone from etcd",
+                    "killed by an operator" if ours is not None else "gone from etcd",
                 )
-                if entry is not None and lease and entry.lease == lease:
-                    self._acknowledge(entry)
+                if ours is not None and lease and ours.lease == lease:
+                    self._acknowledge(ours)  # a mark on this node's lease
 
     # ------------------------------------------------------------ hand-over
 

@@ -164,7 +164,9 @@ class SessionRecords:
         """Delete entries, each only if it is still the one created at its revision
         (the session itself may have re-created the key since), and all only while
         this node still owns ``session``; with None, entries of a session this node
-        no longer has (strays on its lease, see the node's sweep), each only while
+        no longer has (strays on its lease, see the node's sweep) or a ``kill``'s
+        entries whose holds it dropped (their acknowledgement, :mod:`.operators`),
+        each only while
         it still hangs on this node's lease: another node that took the session over
         by ``conn_id`` may have moved it onto its own, keeping its create revision,
         and holds it now. ``with_record``:

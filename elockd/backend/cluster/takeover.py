@@ -39,7 +39,7 @@ from elockd.backend.cluster.operators import mirror_reaches
 from elockd.backend.cluster.records import SessionRecords
 from elockd.backend.interface import BackendUnavailable
 
-#: Entries moved per txn by a takeover: a compare and a put each, and the guard.
+#: Entries moved per txn by a takeover: two compares and a put each, and the guard.
 MOVES_PER_TXN = 40
 
 
