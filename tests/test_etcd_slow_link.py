@@ -22,7 +22,13 @@ import pytest
 import trio
 import trio.testing
 
-from elockd.backend.cluster.etcd.client import EtcdClient, EtcdUnavailable, Event, KeyValue
+from elockd.backend.cluster.etcd.client import (
+    EtcdClient,
+    EtcdError,
+    EtcdUnavailable,
+    Event,
+    KeyValue,
+)
 from elockd.backend.cluster.layout import EXCLUSIVE, Layout, entry_value
 from elockd.backend.cluster.lease import lease_deadline
 from elockd.backend.cluster.space import ClusterLockSpace
@@ -65,11 +71,18 @@ class SlowLink:
         self.hung: set[str] = set()
         #: How many of the next requests are never answered (stuck in a member).
         self.stuck = 0
+        #: Seconds the next send takes to go out (a slow connect), then 0.
+        self.slow_send = 0.0
+        #: An error body etcd answers the requests after the first with, if any.
+        self.error: bytes | None = None
 
     async def send(self, endpoint: str, path: str, payload: bytes) -> Sent:
-        await trio.lowlevel.checkpoint()
+        going_out, self.slow_send = self.slow_send, 0.0
+        await trio.sleep(going_out)
         self.asked.append((endpoint, path))
         answer = json.dumps(_answer(path, json.loads(payload))).encode()
+        if self.error is not None and len(self.asked) > 1:
+            answer = self.error
         due = trio.current_time() + self.delay
         if endpoint in self.hung or self.stuck > 0:
             self.stuck -= 1
@@ -78,7 +91,7 @@ class SlowLink:
 
     async def receive(self, sent: Sent) -> tuple[int, bytes]:
         await trio.sleep_until(sent.due)
-        return 200, sent.answer
+        return (200 if sent.answer != self.error else 400), sent.answer
 
     finish = receive
 
@@ -238,6 +251,37 @@ async def test_a_request_stuck_in_a_member_is_sent_again_beside_it(
     await client.get(b"k")
     assert trio.current_time() - start == pytest.approx(1.0 + 0.2)
     assert len(link.asked) == 2
+    await client.aclose()
+
+
+async def test_a_first_attempt_not_sent_in_its_third_is_followed_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first request could not even go out within its third (a slow connect):
+    it is dropped, and the next attempt goes at the third itself, with no pause
+    meant for a round of refusals (none refused)."""
+    client, link = slow_client(1, delay=0.2)
+    link.slow_send = 5.0
+    start = trio.current_time()
+    await client.get(b"k")
+    assert trio.current_time() - start == pytest.approx(1.0 + 0.2)
+    assert len(link.asked) == 1  # the first never went out
+    await client.aclose()
+
+
+async def test_an_error_answer_of_a_later_attempt_ends_the_call_with_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first request is stuck; the one sent beside it a third later is answered
+    with an error etcd means (not "not now"): the call ends with that error then,
+    not with Backend Unavailable at its deadline."""
+    client, link = slow_client(1, delay=0.2)
+    link.stuck = 1
+    link.error = b'{"error": "etcdserver: key is not provided", "code": 3}'
+    start = trio.current_time()
+    with pytest.raises(EtcdError, match="key is not provided"):
+        await client.get(b"k")
+    assert trio.current_time() - start == pytest.approx(1.0 + 0.2)
     await client.aclose()
 
 

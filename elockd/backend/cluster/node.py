@@ -271,15 +271,6 @@ class ClusterNode:
         last_round = trio.current_time()  # the lease was just granted
         failed = False
         settle_until = -math.inf  # rounds come every KEEPALIVE_RETRY until then
-        sweeping = False
-
-        async def sweep() -> None:
-            nonlocal sweeping
-            try:
-                await self._sweep()
-            finally:
-                sweeping = False
-
         while True:
             next_round = last_round + period
             if last_round < settle_until:
@@ -305,9 +296,8 @@ class ClusterNode:
                 calls.unavailable("node lease keepalive")
                 continue
             failed = False
-            if not calls.frozen and not sweeping:  # whoever serves on sweeps
-                sweeping = True
-                sweeps.start_soon(sweep)
+            if not calls.frozen and not sweeps.child_tasks:  # one sweep at a time;
+                sweeps.start_soon(self._sweep)  # whoever serves on sweeps
 
     async def _heartbeat(self) -> None:
         """The node's own lease, renewed in a loop of its own (a slow session

@@ -12,7 +12,9 @@ request sent again is answered at once.
 So a call's span (from when it is sent to its end) is cut into
 ``max(ATTEMPTS, endpoints)`` equal parts; at the start of each, a fresh attempt
 goes to the next member (the same one, with one endpoint), and every earlier
-attempt stays open until the call's end. The first answer wins; the other attempts
+attempt whose request went out stays open until the call's end (a first attempt
+still connecting or sending when its part ends is dropped: nothing of it reached
+etcd). The first answer wins; the other attempts
 are cancelled. An attempt that fails (a refused connection, "no leader") is
 followed by the next one at once. Every request the node sends may be applied
 twice (see :meth:`.client.EtcdClient.call`), so attempts side by side are as safe
@@ -86,7 +88,8 @@ class Attempts:
                 status, content = await transport.receive(pending)
                 pending = None
                 return client._decoded(endpoint, status, content)
-            client._log_failure(endpoint, f"no answer within {interval:g}s (still waiting)")
+            late = "no answer within {:g}s (still waiting)" if pending else "not sent within {:g}s"
+            client._log_failure(endpoint, late.format(interval))
         except Retry as exc:
             pending = None
             self._failed(index, str(exc))
@@ -107,7 +110,7 @@ class Attempts:
             async with trio.open_nursery() as nursery:
                 if pending is not None:  # its task reads the reply, or closes it
                     nursery.start_soon(self._attempt, index, nursery.cancel_scope, pending)
-                elif self._failures % count == 0:
+                elif self._failures and self._failures % count == 0:
                     await trio.sleep(ROUND_BACKOFF)  # every member refused: don't spin
                 while True:
                     index = (index + 1) % count
