@@ -271,11 +271,19 @@ async def answered(outcome: Outcome, reports: Reports) -> bytes | Streamed:
     """An outcome's reply once the backend has answered: the request layer's
     ``finish``, or its family's refusal when the backend refused (a limit, or etcd
     without quorum). The request layer never awaits; this is where it is done."""
+    return (await fetched(outcome, reports))()
+
+
+async def fetched(outcome: Outcome, reports: Reports) -> Callable[[], bytes | Streamed]:
+    """The backend's answer to ``outcome``, as what makes its reply: called after
+    the request's last await, so that the reply (and the deadline gate in its
+    ``finish``) comes after every await, not before one."""
     try:
         value = await outcome.later.run()
     except REFUSALS as error:
-        return outcome.family.refusal(error, outcome.peer, reports)
-    return outcome.finish(value)
+        refusal = outcome.family.refusal(error, outcome.peer, reports)
+        return lambda: refusal
+    return lambda: outcome.finish(value)
 
 
 async def settle(
@@ -286,12 +294,12 @@ async def settle(
     it (:class:`~elockd.handover.pause.Interrupted`) and leaves the request waiting."""
     if not outcome.waits:
         return await answered(outcome, reports)
-    reply: bytes | Streamed | None = None
+    make: Callable[[], bytes | Streamed] | None = None
     interrupted = False
 
     async def run() -> None:
-        nonlocal reply
-        reply = await answered(outcome, reports)
+        nonlocal make
+        make = await fetched(outcome, reports)
         nursery.cancel_scope.cancel()
 
     async def watch_peer() -> None:
@@ -311,9 +319,11 @@ async def settle(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run)
         nursery.start_soon(watch_peer)
-    if interrupted and reply is None:
+    if interrupted and make is None:
         raise Interrupted
-    return reply
+    # Made here, after the nursery's last await (its close waits for the peer
+    # watcher to stop): a grant's reply passes the deadline gate after it.
+    return None if make is None else make()
 
 
 async def send_streamed(reply: Streamed, transport: Transport) -> None:
