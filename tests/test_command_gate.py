@@ -26,15 +26,25 @@ from pathlib import Path
 import pytest
 import trio
 
-from elockd.backend.interface import Backend
+from elockd.backend.interface import Backend, Later
 from elockd.backend.memory import MemoryBackend
 from elockd.ctl.status import EXIT_ERROR
 from elockd.ctl.watch import print_events
 from elockd.daemon.server import serve
-from elockd.net.serving import PausableService
+from elockd.net.serving import PausableService, settle
 from elockd.protocol.commands import TABLE
 from elockd.protocol.config import Config
-from elockd.protocol.connection import TERSE, WORD, Command, Connection, Service, Streamed
+from elockd.protocol.connection import (
+    TERSE,
+    WORD,
+    Command,
+    Connection,
+    Outcome,
+    Reports,
+    Service,
+    Streamed,
+    gated,
+)
 from tests.support.line_client import LineClient
 from tests.support.sansio import whole
 
@@ -356,3 +366,27 @@ async def test_elockctl_watch_says_why_the_server_ended_it(
     out, err = capsys.readouterr()
     assert "+ a exclusive x token=1" in out and "409" not in out
     assert "the server ended the watch: 409 Backend Unavailable" in err
+
+
+async def test_a_waited_grant_is_gated_after_its_wait_has_closed() -> None:
+    """A waiting request's grant comes while its connection's peer watcher still
+    runs; closing that race is an await, and the node may lose its sessions there
+    (a pause): the reply is made after it, so the gate refuses the grant."""
+    stale = [False]
+
+    class Watching:
+        pause = None
+
+        async def watch_for_close(self) -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                stale[0] = True  # the node passed its deadline while this stopped
+
+    async def granted() -> bool:
+        return True
+
+    conn = Connection(lapsing_service()[0], b"peer")
+    outcome = Outcome(Later(granted, waits=True), lambda ok: b"200 Acquired\r\n", WORD, b"peer")
+    gated(outcome, WORD, lambda asked: stale[0], 0.0, conn)
+    assert await settle(outcome, Watching(), Reports()) == WORD.unavailable  # type: ignore[arg-type]
